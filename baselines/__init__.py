@@ -1,0 +1,1 @@
+"""Readable trainers, one file per algorithm, with named hook points for stabilizers."""

@@ -1,0 +1,10 @@
+"""stabench: controlled experiments for reinforcement-learning training stability.
+
+The public API is small: `Task`, `Stabilizer`, `Detector` (from `suite.api`), the registries in
+`suite.registry`, and the `stabench` command (`suite.cli`).
+"""
+
+from suite.api import Budget, Detector, DetectorSpec, Diverged, GroundTruth, Stabilizer, Task, TrainState
+
+__version__ = "0.1.0"
+__all__ = ["Budget", "Detector", "DetectorSpec", "Diverged", "GroundTruth", "Stabilizer", "Task", "TrainState"]

@@ -1,0 +1,216 @@
+"""The public contract between tasks, trainers, stabilizers, diagnostics and detectors.
+
+A *task* builds a `Run`: one seed of one training process that advances one iteration per `step`.
+The runner trains the healthy phase once, deep-copies the run at the onset iteration, and continues
+the copy twice: once with the injection switched on, once without (the control). Everything a run
+needs (model, optimizer, environments, RNG state) must therefore live inside the run object so that
+`copy.deepcopy` branches it completely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Protocol
+
+if TYPE_CHECKING:  # torch is imported by the code that builds models, not by the CLI's argument checks
+    import torch
+    from torch import nn
+
+TIERS: tuple[str, ...] = ("smoke", "quick", "full")
+VARIANTS: tuple[str, ...] = ("injected", "control")
+
+
+class StabenchError(Exception):
+    """A user-facing error: the CLI prints its message as one line and exits non-zero."""
+
+
+class Diverged(Exception):
+    """Raised by a trainer when its loss or parameters stop being finite.
+
+    The runner records the run's rows up to that point with status `diverged`; the sweep goes on.
+    """
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Length of one run at one tier. `onset` is the iteration at which the injection switches on."""
+
+    iterations: int
+    onset: int
+    seeds: int
+    report_every: int = 10
+
+    def __post_init__(self) -> None:
+        if not 0 < self.onset < self.iterations:
+            raise StabenchError(
+                f"onset {self.onset} must lie strictly inside the run of {self.iterations} iterations"
+            )
+        if self.seeds < 1:
+            raise StabenchError(f"seeds must be at least 1, got {self.seeds}")
+
+
+@dataclass(frozen=True)
+class GroundTruth:
+    """The privileged signal that says whether a run failed.
+
+    `metric` is a column every row of the task carries. With `reduce="any"` the run fails if the metric
+    crosses `threshold` at any post-onset iteration; with `reduce="tail_mean"` it fails if the mean over
+    the last `tail` share of the run crosses it. `fails_when` says which side of the threshold is failure.
+    """
+
+    metric: str
+    threshold: float
+    fails_when: Literal["above", "below"]
+    reduce: Literal["any", "tail_mean"] = "any"
+    tail: float = 0.25
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """A task's default pairing of a diagnostic with a threshold alarm (the first, simple detector)."""
+
+    metric: str
+    threshold: float
+    above: bool = True
+
+
+@dataclass
+class TrainState:
+    """What a diagnostic may read after one training iteration.
+
+    `batch` holds the iteration's rollout tensors (keys documented by each trainer), `grads` the
+    gradient of each parameter on the iteration's last minibatch (taken before the optimizer step),
+    `losses` the scalar loss terms, and `extras` anything trainer-specific (reference log-probs,
+    activations, the exact distribution of a tiny policy, ...).
+    """
+
+    model: nn.Module
+    batch: Mapping[str, torch.Tensor]
+    grads: Mapping[str, torch.Tensor]
+    losses: Mapping[str, float]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class Run(Protocol):
+    """One seed of one task under one method. `step` trains one iteration and returns one metrics row.
+
+    Every row carries at least `step` (environment steps or tokens so far), `return` (the task's
+    true return, never the injected proxy), `entropy` (mean policy entropy), the task's ground-truth
+    metric, and the diagnostics the task computes.
+    """
+
+    def step(self, injected: bool) -> dict[str, float]: ...
+
+
+class Stabilizer:
+    """A plugin that changes a trainer through named hook points. Every hook defaults to no change.
+
+    Trainers call the hooks in this order each iteration: `advantages` -> `kl_loss` (GRPO) ->
+    `loss` -> backward -> `after_backward` -> optimizer step. `model` and `optimizer` are called once
+    when a run is built. A hook receives the trainer's default value and returns what to use instead.
+    `trainers` names the trainers the stabilizer knows how to change (empty = all of them).
+    """
+
+    name: ClassVar[str] = "baseline"
+    trainers: ClassVar[frozenset[str]] = frozenset()
+
+    def model(self, model: nn.Module, spec: Mapping[str, Any]) -> nn.Module:
+        """Replace or wrap the network. `spec` describes what the task built (sizes, depth, ...)."""
+        return model
+
+    def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
+        return optimizer
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return advantages
+
+    def kl_loss(self, per_token_kl: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token KL regularizer that enters the loss (GRPO); the default is the trainer's own."""
+        return per_token_kl
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Add or change loss terms; the trainer minimizes their sum."""
+        return terms
+
+    def after_backward(self, model: nn.Module) -> None:
+        """Edit gradients in place (clipping, per-layer normalization)."""
+
+    def applies_to(self, trainer: str) -> bool:
+        return not self.trainers or trainer in self.trainers
+
+
+class Detector:
+    """A streaming rule over one run's diagnostics: `update` sees one row at a time, in order."""
+
+    name: ClassVar[str] = "detector"
+
+    @classmethod
+    def for_task(cls, task: Task) -> Detector:
+        """A fresh detector for one run of `task`; override to read the task's declared pairing."""
+        return cls()
+
+    def update(self, row: Mapping[str, float]) -> bool:
+        """Return True to raise an alarm at this row."""
+        raise NotImplementedError
+
+
+class ThresholdDetector(Detector):
+    """Alarm whenever `metric` is on the wrong side of a fixed threshold (missing values never alarm).
+
+    `for_task` reads the task's `detector` pairing (diagnostic and threshold).
+    """
+
+    name = "threshold"
+
+    def __init__(self, metric: str, threshold: float, above: bool = True) -> None:
+        self.metric, self.threshold, self.above = metric, threshold, above
+
+    @classmethod
+    def for_task(cls, task: Task) -> ThresholdDetector:
+        spec = task.detector
+        return cls(spec.metric, spec.threshold, spec.above)
+
+    def update(self, row: Mapping[str, float]) -> bool:
+        value = row.get(self.metric, math.nan)
+        if value is None or not math.isfinite(float(value)):
+            return False
+        return value > self.threshold if self.above else value < self.threshold
+
+
+class Task:
+    """A failure mode induced on purpose. Subclasses are one module each under `tasks/`.
+
+    A subclass sets the class attributes below and implements `build`. The docstring of a subclass
+    states the mechanism its calibration measured, not only the name of the failure mode.
+    """
+
+    id: ClassVar[str]
+    family: ClassVar[str]  # "reasoning", "tools" or "grids"
+    version: ClassVar[str] = "1"
+    trainer: ClassVar[str]  # "ppo" or "grpo"
+    budgets: ClassVar[Mapping[str, Budget]]
+    ground_truth: ClassVar[GroundTruth]
+    matched_fix: ClassVar[str]
+    methods: ClassVar[tuple[str, ...]]  # default methods of a sweep: baseline, the fix, named non-fixes
+    detector: ClassVar[DetectorSpec]
+    diagnostics: ClassVar[tuple[str, ...]]  # diagnostic columns every row carries
+    return_floor: ClassVar[float]  # fixed per task and version: normalized return 0 ...
+    return_ceiling: ClassVar[float]  # ... and 1
+    experimental: ClassVar[bool] = False
+
+    def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> Run:
+        raise NotImplementedError
+
+    def budget(self, tier: str) -> Budget:
+        if tier not in self.budgets:
+            raise StabenchError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
+        return self.budgets[tier]
+
+    def role(self, method: str) -> str:
+        if method == "baseline":
+            return "baseline"
+        return "matched-fix" if method == self.matched_fix else "other"
+
+    def normalized_return(self, value: float) -> float:
+        return (value - self.return_floor) / (self.return_ceiling - self.return_floor)

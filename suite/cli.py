@@ -1,0 +1,154 @@
+"""The `stabench` command. Heavy libraries are imported only by the subcommand that needs them.
+
+Every user error is one line on stderr, `stabench: error: ...`, exit status 2, and nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from suite.api import TIERS, StabenchError
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single line like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise StabenchError(f"{self.prog}: {message}")
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from suite import registry
+    from suite.diagnostics import DIAGNOSTICS
+
+    print("tasks:")
+    for name in registry.names("task"):
+        task = registry.get_task(name)
+        flag = "  [experimental]" if task.experimental else ""
+        quick = task.budgets["quick"]
+        print(
+            f"  {name:<22} {task.family:<10} trainer={task.trainer:<5} fix={task.matched_fix:<20} "
+            f"quick: {quick.iterations} it, onset {quick.onset}, {quick.seeds} seeds{flag}"
+        )
+    print("stabilizers (methods):")
+    for name in registry.names("stabilizer"):
+        cls = registry.resolve_class("stabilizer", name)
+        trainers = ",".join(sorted(cls.trainers)) or "any"
+        print(f"  {name:<22} trainers={trainers}")
+    print("detectors:")
+    for name in registry.names("detector"):
+        print(f"  {name}")
+    print("diagnostics:")
+    for name in DIAGNOSTICS:
+        print(f"  {name}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.tier not in TIERS:
+        raise StabenchError(f"unknown tier {args.tier!r}; choose from {', '.join(TIERS)}")
+    from suite import registry, runner
+
+    tasks = args.tasks or tuple(
+        n for n in registry.names("task") if not registry.get_task(n).experimental
+    )
+    refs = registry.canonical
+    spec = runner.ExperimentSpec(
+        tier=args.tier,
+        tasks=tuple(map(refs, tasks)),
+        methods=tuple(map(refs, args.methods)) if args.methods else None,
+        seeds=args.seeds,
+        stabilizers=tuple(map(refs, args.stabilizer or ())),
+        detectors=("threshold", *map(refs, args.detector or ())),
+    )
+    out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    if args.address:
+        runner.check_address(args.address)
+    exp = runner.prepare(out, spec, args.resume)
+    runner.execute(exp, address=args.address, num_cpus=args.cpus, resume=args.resume)
+    print(out)
+    return 0
+
+
+def _load_table(directory: str):
+    import pandas as pd
+
+    from suite.runner import METRICS
+
+    path = Path(directory) / METRICS
+    if not path.is_file():
+        raise StabenchError(f"no {METRICS} in {directory}: is it the --out folder of a finished `stabench run`?")
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:
+        raise StabenchError(f"cannot read {path}: {exc}") from exc
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from suite import scoring
+
+    result = scoring.score(_load_table(args.dir))
+    if args.json:
+        print(json.dumps(result, indent=2, allow_nan=True))
+    else:
+        print(scoring.format_table(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stabench", description="Controlled experiments for RL training stability.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("list", help="print the registries")
+    p.set_defaults(fn=cmd_list)
+
+    p = sub.add_parser("run", help="run a sweep of task x method x variant x seed through Ray Tune")
+    p.add_argument("--tier", default="quick", help="smoke, quick or full (default: quick)")
+    p.add_argument("--tasks", type=_csv, help="comma-separated task ids (default: every non-experimental task)")
+    p.add_argument("--methods", type=_csv, help="comma-separated methods (default: each task's own)")
+    p.add_argument("--seeds", type=int, help="seeds per task and method (default: the tier's budget)")
+    p.add_argument("--stabilizer", action="append", help="a plugin FILE.py:ClassName added to every task it fits")
+    p.add_argument("--detector", action="append", help="a plugin detector FILE.py:ClassName")
+    p.add_argument("--out", help="output folder (default: results/runs/<tier>-<time>)")
+    p.add_argument("--address", help="an existing Ray cluster HOST:PORT (default: a private local Ray)")
+    p.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--resume", action="store_true", help="continue the experiment already in --out")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("score", help="score a finished run folder")
+    p.add_argument("dir", help="the --out folder of a `stabench run`")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(fn=cmd_score)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except StabenchError as exc:
+        print(f"stabench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stabench: interrupted; rerun with --resume to continue", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Diagnostics: pure functions from a trainer's state (or plain tensors) to named scalars.
+
+A metric that cannot be computed is reported as NaN (missing), never as zero. Definitions:
+
+- KL estimators (Schulman's k1, k2, k3) of KL(q || p) from samples x ~ q with log-ratio
+  d = log p(x) - log q(x): k1 = -d, k2 = d^2 / 2, k3 = (e^d - 1) - d. k1 and k3 are unbiased, k2 is
+  biased (it estimates a second-order approximation). In RL q is the policy and p the reference.
+- Per-layer gradient norm: the L2 norm of the concatenated gradients of one layer's parameters.
+- Dormant unit (Sokar et al.): s_i = E|h_i| / mean_k E|h_k| over a batch; dormant if s_i <= tau.
+- Effective rank: exp of the entropy of the normalized singular values of a feature matrix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from suite.api import TrainState
+
+Diagnostic = Callable[[TrainState], dict[str, float]]
+
+
+def kl_estimators(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample k1, k2, k3 estimates of KL(policy || reference) from samples of the policy."""
+    d = ref_logp - logp
+    return {"k1": -d, "k2": 0.5 * d.pow(2), "k3": torch.expm1(d) - d}
+
+
+def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last axis, from unnormalized logits."""
+    logp = torch.log_softmax(p_logits, dim=-1)
+    logq = torch.log_softmax(q_logits, dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats of the categorical distributions given by logits over the last axis."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def layer_groups(model: nn.Module) -> "OrderedDict[str, list[nn.Parameter]]":
+    """The model's parameters grouped by the module that owns them, in registration order.
+
+    A "layer" is any module with parameters of its own (a Linear, a LayerNorm, an Embedding).
+    """
+    groups: OrderedDict[str, list[nn.Parameter]] = OrderedDict()
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own:
+            groups[name or "root"] = own
+    return groups
+
+
+def per_layer_grad_norms(model: nn.Module, grads: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    """L2 gradient norm of each layer (see `layer_groups`). Layers with no gradient report NaN.
+
+    `grads` maps parameter names to gradients; by default the parameters' `.grad` are read.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, float] = {}
+    for layer, params in layer_groups(model).items():
+        sq, seen = 0.0, False
+        for p in params:
+            g = grads.get(names[id(p)]) if grads is not None else p.grad
+            if g is not None:
+                sq += float(g.detach().pow(2).sum())
+                seen = True
+        out[layer] = math.sqrt(sq) if seen else math.nan
+    return out
+
+
+def total_grad_norm(norms: Mapping[str, float]) -> float:
+    finite = [v for v in norms.values() if math.isfinite(v)]
+    return math.sqrt(sum(v * v for v in finite)) if finite else math.nan
+
+
+def dormant_share(activations: torch.Tensor, tau: float = 0.025) -> float:
+    """Share of units (columns of a batch x units activation matrix) that are dormant at `tau`."""
+    score = activations.detach().abs().mean(0)
+    mean = score.mean()
+    if not torch.isfinite(mean) or mean <= 0:
+        return 1.0 if torch.isfinite(mean) else math.nan
+    return float((score / mean <= tau).float().mean())
+
+
+def effective_rank(features: torch.Tensor) -> float:
+    """exp(H(p)), p = singular values / their sum; NaN for an all-zero matrix."""
+    s = torch.linalg.svdvals(features.detach().double())
+    total = s.sum()
+    if total <= 0 or not torch.isfinite(total):
+        return math.nan
+    p = s / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+# Registry of named diagnostics that a task can list in `Task.diagnostics`; each reads a TrainState.
+DIAGNOSTICS: dict[str, Diagnostic] = {}
+
+
+def diagnostic(name: str) -> Callable[[Diagnostic], Diagnostic]:
+    def register(fn: Diagnostic) -> Diagnostic:
+        DIAGNOSTICS[name] = fn
+        return fn
+
+    return register
+
+
+@diagnostic("grad_norms")
+def grad_norms(state: TrainState) -> dict[str, float]:
+    """Per-layer gradient norms as columns `grad_norm/<layer index>` plus `grad_norm_total`."""
+    norms = per_layer_grad_norms(state.model, state.grads)
+    row = {f"grad_norm/{i:02d}": v for i, v in enumerate(norms.values())}
+    row["grad_norm_total"] = total_grad_norm(norms)
+    return row
+
+
+@diagnostic("dormant")
+def dormant(state: TrainState) -> dict[str, float]:
+    """Dormant-unit share over the hidden activations the trainer stored in `extras["activations"]`."""
+    acts = state.extras.get("activations")
+    if not acts:
+        return {"dormant_share": math.nan}
+    units = sum(a.shape[1] for a in acts)
+    dormant_units = sum(dormant_share(a) * a.shape[1] for a in acts)
+    return {"dormant_share": dormant_units / units}
+
+
+@diagnostic("kl_estimators")
+def kl_estimator_means(state: TrainState) -> dict[str, float]:
+    """Batch means of k1, k2, k3 per token, the full-vocabulary per-token KL, and their disagreement.
+
+    Reads `batch["logp"]`, `batch["ref_logp"]`, `batch["mask"]` and, when present,
+    `extras["full_vocab_kl"]` (per-token KL summed over the vocabulary, same shape as the mask).
+    """
+    mask = state.batch["mask"].float()
+    n = mask.sum().clamp_min(1)
+    est = kl_estimators(state.batch["logp"].detach(), state.batch["ref_logp"].detach())
+    row = {f"kl_{k}": float((v * mask).sum() / n) for k, v in est.items()}
+    full = state.extras.get("full_vocab_kl")
+    row["kl_full_vocab"] = float((full * mask).sum() / n) if full is not None else math.nan
+    row["kl_k2_over_k3"] = row["kl_k2"] / row["kl_k3"] if row["kl_k3"] > 0 else math.nan
+    return row

@@ -1,0 +1,140 @@
+"""Registries of tasks, stabilizers (methods), detectors and diagnostics.
+
+A name resolves, in order, to a built-in, to a Python entry point of an installed package (groups
+`stabench.tasks`, `stabench.stabilizers`, `stabench.detectors`), or to a reference of the form
+`path/to/file.py:ClassName` or `package.module:ClassName`. Built-ins are named by import path so that
+`stabench list` and the CLI's argument checks stay fast until a class is actually needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from suite.api import Detector, StabenchError, Stabilizer, Task
+
+BUILTIN_TASKS: dict[str, str] = {
+    "dead-layers": "tasks.dead_layers:DeadLayers",
+    "kl-estimator-bias": "tasks.kl_estimator_bias:KLEstimatorBias",
+}
+
+BUILTIN_STABILIZERS: dict[str, str] = {
+    "baseline": "suite.api:Stabilizer",
+    "multiskip-residual": "baselines.stabilizers.multiskip_residual:MultiSkipResidual",
+    "grad-clip": "baselines.stabilizers.grad_clip:GradClip",
+    "kl-max": "baselines.stabilizers.kl_estimators:KLMaxInLoss",
+    "kl-k2": "baselines.stabilizers.kl_estimators:KLk2InLoss",
+    "kl-k1-reward": "baselines.stabilizers.kl_estimators:KLk1InReward",
+}
+
+BUILTIN_DETECTORS: dict[str, str] = {
+    "threshold": "suite.api:ThresholdDetector",
+}
+
+_KINDS: dict[str, tuple[dict[str, str], str, type]] = {
+    "task": (BUILTIN_TASKS, "stabench.tasks", Task),
+    "stabilizer": (BUILTIN_STABILIZERS, "stabench.stabilizers", Stabilizer),
+    "detector": (BUILTIN_DETECTORS, "stabench.detectors", Detector),
+}
+
+
+def is_reference(name: str) -> bool:
+    """True for `file.py:Class` and `module:Class` references (as opposed to registered names)."""
+    return ":" in name
+
+
+def load_object(ref: str) -> Any:
+    """Import `path/to/file.py:Name` or `package.module:Name`; errors are one line for the user."""
+    target, _, attr = ref.rpartition(":")
+    if not target or not attr:
+        raise StabenchError(f"plugin reference {ref!r} must look like path/to/file.py:ClassName")
+    if target.endswith(".py") or "/" in target:
+        path = Path(target).expanduser().resolve()
+        if not path.is_file():
+            raise StabenchError(f"plugin file {target!r} does not exist")
+        module_name = f"stabench_plugin_{path.stem}_{abs(hash(str(path))) & 0xFFFFFF:x}"
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            if spec is None or spec.loader is None:
+                raise StabenchError(f"cannot import plugin file {target!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # the plugin's own code failed: say so, by name
+                del sys.modules[module_name]
+                raise StabenchError(f"plugin file {target!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise StabenchError(f"cannot import module {target!r} for {ref!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise StabenchError(f"{target!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def canonical(name: str) -> str:
+    """A file reference with an absolute path (Ray workers do not share the driver's working folder)."""
+    target, sep, attr = name.rpartition(":")
+    if sep and (target.endswith(".py") or "/" in target):
+        return f"{Path(target).expanduser().resolve()}:{attr}"
+    return name
+
+
+def _entry_points(group: str) -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def names(kind: str) -> list[str]:
+    """Registered names of one kind: built-ins first, then installed entry points."""
+    builtins, group, _ = _KINDS[kind]
+    return list(builtins) + sorted(set(_entry_points(group)) - set(builtins))
+
+
+def resolve_class(kind: str, name: str) -> type:
+    """The class behind a name or reference, checked to be of the right kind."""
+    builtins, group, base = _KINDS[kind]
+    if name in builtins:
+        cls = load_object(builtins[name])
+    elif is_reference(name):
+        cls = load_object(name)
+    else:
+        eps = _entry_points(group)
+        if name not in eps:
+            raise StabenchError(f"unknown {kind} {name!r}; known: {', '.join(names(kind))}")
+        try:
+            cls = eps[name].load()
+        except Exception as exc:
+            raise StabenchError(f"{kind} entry point {name!r} failed to load: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise StabenchError(f"{name!r} is not a {base.__module__}.{base.__name__} subclass")
+    return cls
+
+
+def get_task(name: str) -> Task:
+    return resolve_class("task", name)()
+
+
+def method_name(ref: str) -> str:
+    """The name a method is recorded under: its registered name, or the plugin class's `name`."""
+    if not is_reference(ref):
+        return ref
+    cls = resolve_class("stabilizer", ref)
+    name = getattr(cls, "name", "")
+    if not name or name == Stabilizer.name or name in BUILTIN_STABILIZERS:
+        raise StabenchError(f"stabilizer {ref!r} must set a class attribute `name` not used by a built-in")
+    return name
+
+
+def make_stabilizer(ref: str) -> Stabilizer:
+    return resolve_class("stabilizer", ref)()
+
+
+def make_detector(ref: str, task: Task) -> Detector:
+    return resolve_class("detector", ref).for_task(task)

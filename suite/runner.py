@@ -1,0 +1,436 @@
+"""The runner: a sweep of task x method x seed as one Ray Tune experiment, collected into one table.
+
+One Tune trial is one (task, method, seed): it trains the healthy phase once, deep-copies the run at
+the onset iteration, and continues the copy twice, injected and control. That halves the healthy-phase
+compute, pairs the two variants, and makes a trial a unit of work large beside Ray's per-trial cost.
+A trial ships its rows as `rows.parquet` inside a Tune checkpoint, so results reach the experiment's
+storage on a cluster as well as locally; the collector joins them into `DIR/metrics.parquet`.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+if "RAY_AUTH_MODE" not in os.environ and (
+    Path("~/.ray/auth_token").expanduser().is_file() or "RAY_AUTH_TOKEN" in os.environ
+):
+    os.environ["RAY_AUTH_MODE"] = "token"  # Ray reads this at import; a client never switches it on itself
+from ray import tune  # noqa: E402  (after the environment Ray reads at import)
+
+from suite import __version__, registry  # noqa: E402
+from suite.api import VARIANTS, Diverged, StabenchError  # noqa: E402
+
+SUITE_VERSION = __version__
+LIBRARIES = ("torch", "gymnasium", "minigrid", "transformers", "ray", "numpy", "pandas", "scipy")
+TUNE_DIR = "tune"
+METRICS = "metrics.parquet"
+TRIALS = "trials.csv"
+MANIFEST = "manifest.json"
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for lib in LIBRARIES:
+        try:
+            out[lib] = version(lib)
+        except PackageNotFoundError:
+            out[lib] = "missing"
+    return out
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One unit of work: the healthy phase of one seed and both of its branches."""
+
+    task: str  # registered name or plugin reference
+    method: str  # registered name or plugin reference
+    seed: int
+    tier: str
+    detectors: tuple[str, ...] = ("threshold",)
+
+    @property
+    def key(self) -> str:
+        return f"{self.task}|{self.method}|{self.seed}"
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """A sweep: every task with every method that applies to it, over `seeds` seeds."""
+
+    tier: str
+    tasks: tuple[str, ...]
+    methods: tuple[str, ...] | None = None  # None: each task's own default methods
+    seeds: int | None = None  # None: each task's budget at the tier
+    stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
+    detectors: tuple[str, ...] = ("threshold",)
+
+    def config_hash(self) -> str:
+        return digest(asdict(self))
+
+    def trials(self) -> list[TrialSpec]:
+        """Validate every name and build the grid; raises StabenchError before anything runs."""
+        out: list[TrialSpec] = []
+        for name in self.tasks:
+            task = registry.get_task(name)
+            budget = task.budget(self.tier)
+            methods = list(self.methods if self.methods is not None else task.methods) + list(self.stabilizers)
+            usable = []
+            for method in methods:
+                stabilizer = registry.make_stabilizer(method)
+                if stabilizer.applies_to(task.trainer):
+                    usable.append(method)
+                elif self.methods is not None and method in self.methods and len(self.tasks) == 1:
+                    raise StabenchError(
+                        f"method {method!r} does not apply to task {name!r} (trainer {task.trainer})"
+                    )
+            if not usable:
+                raise StabenchError(f"no requested method applies to task {name!r} (trainer {task.trainer})")
+            seeds = self.seeds if self.seeds is not None else budget.seeds
+            if seeds < 1:
+                raise StabenchError(f"--seeds must be at least 1, got {seeds}")
+            out += [TrialSpec(name, m, s, self.tier, self.detectors) for m in usable for s in range(seeds)]
+        for det in self.detectors:
+            registry.resolve_class("detector", det)
+        return out
+
+
+def seed_everything(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+BRANCH_SEED_OFFSET = 1_000_003  # both branches of a seed restart from the same RNG state (paired)
+
+
+def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | None = None) -> pd.DataFrame:
+    """Run one trial in this process and return its tidy rows (both variants, shared rows repeated).
+
+    A run that diverges (a trainer raises `Diverged`, or any hook or plugin raises) keeps its rows up to
+    that point with status `diverged` and the error text; it never raises to the sweep.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    task = registry.get_task(spec.task)
+    budget = task.budget(spec.tier)
+    method = registry.method_name(spec.method)
+    meta = {
+        "task": task.id,
+        "task_ref": spec.task,
+        "task_version": task.version,
+        "family": task.family,
+        "method": method,
+        "role": task.role(method),
+        "seed": spec.seed,
+        "tier": spec.tier,
+        "onset_iteration": budget.onset,
+        "iterations": budget.iterations,
+        "suite_version": SUITE_VERSION,
+        "config_hash": digest([asdict(spec), task.version, SUITE_VERSION]),
+    }
+
+    def advance(run: Any, first: int, injected: bool, variant: str, rows: list[dict]) -> tuple[str, str]:
+        last = budget.iterations if first >= budget.onset else budget.onset
+        for it in range(first, last):
+            try:
+                row = run.step(injected)
+            except Exception as exc:  # Diverged, or a hook or plugin that raised: a result, not a crash
+                what = str(exc) if isinstance(exc, Diverged) else f"{type(exc).__name__}: {exc}"
+                rows.append({"iteration": it, "diverged_at": it})  # marks where it stopped
+                return "diverged", f"{getattr(stabilizer, 'name', spec.method)} at iteration {it}: {what}"
+            row["iteration"] = it
+            rows.append(row)
+            if on_progress and (it + 1) % budget.report_every == 0:
+                on_progress(it, variant, row)
+        return "ok", ""
+
+    seed_everything(spec.seed)
+    stabilizer = registry.make_stabilizer(spec.method)
+    shared: list[dict] = []
+    try:
+        run = task.build(spec.tier, spec.seed, stabilizer)
+    except Exception as exc:
+        shared.append({"iteration": 0, "diverged_at": 0})
+        run, status, error = None, "diverged", f"{stabilizer.name} while building: {type(exc).__name__}: {exc}"
+    else:
+        status, error = advance(run, 0, False, "healthy", shared)
+
+    frames = []
+    for variant in VARIANTS:
+        rows = [dict(r) for r in shared]
+        v_status, v_error = status, error
+        if status == "ok":
+            branch = copy.deepcopy(run)
+            seed_everything(spec.seed + BRANCH_SEED_OFFSET)
+            v_status, v_error = advance(branch, budget.onset, variant == "injected", variant, rows)
+        frame = pd.DataFrame(rows)
+        if "diverged_at" not in frame:
+            frame["diverged_at"] = np.nan
+        frame["diverged_at"] = frame["diverged_at"].max()
+        for det_ref in spec.detectors:
+            detector = registry.make_detector(det_ref, task)
+            name = registry.resolve_class("detector", det_ref).name
+            frame[f"alarm/{name}"] = [bool(detector.update(r)) for r in frame.to_dict("records")]
+        frame["variant"] = variant
+        frame["status"] = v_status
+        frame["error"] = v_error
+        frames.append(frame)
+    table = pd.concat(frames, ignore_index=True)
+    table["phase"] = np.where(table["iteration"] < budget.onset, "healthy", "post-onset")
+    for key, value in meta.items():
+        table[key] = value
+    return table
+
+
+def _tune_trainable(config: dict) -> None:
+    """The Ray Tune function trainable: one trial, progress every few iterations, rows in a checkpoint."""
+    spec = TrialSpec(**{**config["trial"], "detectors": tuple(config["trial"]["detectors"])})
+    started = time.time()
+
+    def progress(iteration: int, variant: str, row: dict) -> None:
+        ret = row.get("return", math.nan)
+        tune.report({"iteration": iteration, "variant": variant, "return": float(ret), "done": False})
+
+    table = run_trial(spec, progress)
+    with tempfile.TemporaryDirectory() as tmp:
+        table.to_parquet(Path(tmp) / "rows.parquet", index=False)
+        status = "diverged" if (table["status"] == "diverged").any() else "ok"
+        tune.report(
+            {"done": True, "status": status, "seconds": time.time() - started, "rows": len(table)},
+            checkpoint=tune.Checkpoint.from_directory(tmp),
+        )
+
+
+_tune_trainable.__name__ = "stabench_trial"  # Tune restores by trainable name: keep it fixed
+
+
+class ProgressCallback(tune.Callback):
+    """Prints one line per finished trial (Tune's own tables are switched off)."""
+
+    def __init__(self, total: int, already: int = 0) -> None:
+        self.total, self.finished = total, already
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.finished += 1
+        r = trial.last_result or {}
+        t = trial.config["trial"]
+        print(
+            f"[{self.finished:>3}/{self.total}] {registry.get_task(t['task']).id} {registry.method_name(t['method'])} "
+            f"seed={t['seed']}: {r.get('status', '?')} in {r.get('seconds', float('nan')):.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        t = trial.config["trial"]
+        print(f"[error] {t['task']} {t['method']} seed={t['seed']} failed inside Ray", file=sys.stderr, flush=True)
+
+
+def check_address(address: str) -> None:
+    """Fail fast, with one line, when nothing listens at a Ray cluster address."""
+    if address in ("auto", "local") or address.startswith("ray://"):
+        host_port = address.removeprefix("ray://")
+        if address in ("auto", "local"):
+            return
+    else:
+        host_port = address
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise StabenchError(f"--address {address!r} must look like HOST:PORT")
+    try:
+        with socket.create_connection((host, int(port)), timeout=3):
+            pass
+    except OSError as exc:
+        raise StabenchError(f"no Ray cluster answers at {address}: {exc.strerror or exc}") from exc
+
+
+class RayCluster:
+    """Context manager: a private local Ray by default (never someone else's), or an existing cluster."""
+
+    def __init__(self, address: str | None, num_cpus: int | None) -> None:
+        self.address, self.num_cpus, self.temp_dir = address, num_cpus, None
+
+    def __enter__(self) -> RayCluster:
+        import ray
+
+        if self.address:
+            try:
+                ray.init(address=self.address, log_to_driver=False, configure_logging=False)
+            except Exception as exc:  # ConnectionError, AuthenticationError, ...
+                raise StabenchError(f"cannot join the Ray cluster at {self.address}: {str(exc).splitlines()[0]}") from exc
+        else:
+            self.temp_dir = tempfile.mkdtemp(prefix="sbray")  # short: Ray's socket paths have a length cap
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus or os.cpu_count(),
+                include_dashboard=False,
+                object_store_memory=200 * 1024**2,
+                log_to_driver=False,
+                configure_logging=False,
+                _temp_dir=self.temp_dir,
+            )
+        return self
+
+    def cpus(self) -> int:
+        import ray
+
+        return int(ray.cluster_resources().get("CPU", 1))
+
+    def __exit__(self, *exc: Any) -> None:
+        import ray
+
+        ray.shutdown()
+        if self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@dataclass
+class Experiment:
+    """An experiment folder: manifest, Tune storage, per-trial status, and the tidy table."""
+
+    out: Path
+    spec: ExperimentSpec
+    trials: list[TrialSpec] = field(default_factory=list)
+
+    @property
+    def manifest(self) -> dict:
+        return {
+            "suite_version": SUITE_VERSION,
+            "spec": asdict(self.spec),
+            "config_hash": self.spec.config_hash(),
+            "libraries": library_versions(),
+            "trials": len(self.trials),
+        }
+
+
+def prepare(out: Path, spec: ExperimentSpec, resume: bool) -> Experiment:
+    """Check the output folder against the request; writes nothing."""
+    exp = Experiment(out, spec, spec.trials())
+    manifest_path = out / MANIFEST
+    if resume:
+        if not manifest_path.is_file():
+            raise StabenchError(f"nothing to resume in {out}: no {MANIFEST}")
+        try:
+            old = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StabenchError(f"cannot read {manifest_path}: {exc}") from exc
+        if old.get("config_hash") != spec.config_hash():
+            raise StabenchError(f"{out} holds a different experiment ({old.get('spec')}); rerun its own command")
+        if old.get("suite_version") != SUITE_VERSION:
+            raise StabenchError(f"{out} was made by suite version {old.get('suite_version')}, this is {SUITE_VERSION}")
+    elif out.exists() and any(out.iterdir()):
+        raise StabenchError(f"{out} already holds files; pass --resume to continue it, or choose another --out")
+    return exp
+
+
+def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = None, resume: bool = False) -> Path:
+    """Run the experiment through Ray Tune and write `metrics.parquet` and `trials.csv`."""
+    storage = str(exp.out.resolve())
+    tune_path = exp.out.resolve() / TUNE_DIR
+    started = time.time()
+    with RayCluster(address, num_cpus) as cluster:
+        exp.out.mkdir(parents=True, exist_ok=True)  # only now: a failed connection leaves nothing behind
+        if not resume:
+            (exp.out / MANIFEST).write_text(json.dumps(exp.manifest, indent=2))
+        cpus = cluster.cpus()
+        where = f"the Ray cluster at {address}" if address else "a private local Ray"
+        print(f"stabench: {len(exp.trials)} trials on {where} with {cpus} CPUs -> {exp.out}", file=sys.stderr)
+        trainable = tune.with_resources(_tune_trainable, {"cpu": 1})
+        done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet")))
+        progress = ProgressCallback(len(exp.trials), already=done)
+        if resume and tune.Tuner.can_restore(str(tune_path)):
+            print(f"stabench: resuming, {done} of {len(exp.trials)} trials already finished", file=sys.stderr)
+            tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
+            # Tune restores the run config it pickled; give it this session's progress printer.
+            tuner._local_tuner.get_run_config().callbacks = [progress]  # noqa: SLF001
+        else:
+            grid = [asdict(t) for t in exp.trials]
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"trial": tune.grid_search(grid)},
+                tune_config=tune.TuneConfig(max_concurrent_trials=cpus, reuse_actors=True),
+                run_config=tune.RunConfig(
+                    name=TUNE_DIR,
+                    storage_path=storage,
+                    verbose=0,
+                    failure_config=tune.FailureConfig(max_failures=2),
+                    callbacks=[progress],
+                ),
+            )
+        results = tuner.fit()
+    table, trials = collect(results, exp.trials)
+    write_atomic(table, exp.out / METRICS)
+    trials.to_csv(exp.out / TRIALS, index=False)
+    bad = trials[trials["status"] != "ok"]
+    print(
+        f"stabench: {len(trials)} trials in {time.time() - started:.0f} s; {len(bad)} not ok; "
+        f"{len(table)} rows -> {exp.out / METRICS}",
+        file=sys.stderr,
+    )
+    return exp.out / METRICS
+
+
+def collect(results: Any, expected: list[TrialSpec]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Join the trials' rows; a trial Ray could not finish is listed with status `error`, never dropped."""
+    frames, status = [], {}
+    for result in results:
+        t = result.config["trial"]
+        key = f"{t['task']}|{t['method']}|{t['seed']}"
+        if result.checkpoint is None:
+            status[key] = ("error", str(result.error).splitlines()[0] if result.error else "no result", math.nan)
+            continue
+        with result.checkpoint.as_directory() as d:
+            frame = pd.read_parquet(Path(d) / "rows.parquet")
+        frames.append(frame)
+        st = "diverged" if (frame["status"] == "diverged").any() else "ok"
+        errors = [e for e in frame["error"].unique() if e]
+        status[key] = (st, errors[0] if errors else "", result.metrics.get("seconds", math.nan))
+    rows = []
+    for spec in expected:
+        st, err, secs = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan))
+        rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err, "seconds": secs})
+    table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if not table.empty:
+        table = table.sort_values(["task", "method", "seed", "variant", "iteration"], kind="stable")
+        first = ["task", "method", "role", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
+        table = table[[c for c in first if c in table] + [c for c in table.columns if c not in first]]
+        table = table.reset_index(drop=True)
+    return table, pd.DataFrame(rows)
+
+
+def write_atomic(table: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    table.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def format_exception() -> str:
+    return traceback.format_exc(limit=3)

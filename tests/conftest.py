@@ -1,0 +1,11 @@
+"""Test settings: nothing may reach a model hub, render to a screen, or report Ray usage."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+TOY = str(Path(__file__).parent / "plugins" / "toy.py")

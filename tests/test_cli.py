@@ -1,0 +1,79 @@
+"""Bad input gets one clear line, a non-zero exit, and nothing on disk; `list` and `score` work."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import TOY
+
+from suite.cli import main
+
+pytestmark = pytest.mark.smoke
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--tasks", "no-such-task"], "unknown task 'no-such-task'"),
+        (["run", "--tier", "huge"], "unknown tier 'huge'"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--methods", "no-such-fix"], "unknown stabilizer 'no-such-fix'"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--stabilizer", "/nowhere/fix.py:Fix"], "does not exist"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--stabilizer", f"{TOY}:NoSuchClass"], "has no 'NoSuchClass'"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--address", "127.0.0.1:1"], "no Ray cluster answers at 127.0.0.1:1"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--address", "nonsense"], "must look like HOST:PORT"),
+        (["run", "--seeds", "many"], "invalid int value: 'many'"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--seeds", "0"], "--seeds must be at least 1"),
+        (["score", "/no/such/dir"], "no metrics.parquet in /no/such/dir"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_input_is_one_line_nonzero_and_writes_nothing(capsys, tmp_path, argv, message):
+    out_dir = tmp_path / "out"
+    if argv[0] == "run":
+        argv = [*argv, "--tier", "smoke", "--out", str(out_dir)] if "--tier" not in argv else [*argv, "--out", str(out_dir)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("stabench: error:") and message in err
+    assert not out_dir.exists()
+
+
+def test_an_output_folder_with_another_experiment_is_refused_without_resume(capsys, tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "metrics.parquet").write_bytes(b"someone else's results")
+    before = sorted(p.name for p in out_dir.iterdir())
+    code, _, err = run_cli(capsys, "run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask", "--out", str(out_dir))
+    assert code == 2 and "already holds files; pass --resume" in err
+    assert sorted(p.name for p in out_dir.iterdir()) == before
+    assert (out_dir / "metrics.parquet").read_bytes() == b"someone else's results"
+    code, _, err = run_cli(capsys, "run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask", "--out", str(out_dir), "--resume")
+    assert code == 2 and "nothing to resume" in err
+
+
+def test_list_names_every_registry_through_the_console_script():
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "list"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("dead-layers", "kl-estimator-bias", "multiskip-residual", "kl-max", "threshold", "grad_norms"):
+        assert name in proc.stdout
+
+
+def test_score_json_has_the_stabilizer_track_schema(capsys, tmp_path):
+    from test_harness import toy_trial
+
+    import pandas as pd
+
+    pd.concat([toy_trial("baseline", 0), toy_trial(f"{TOY}:ToyFix", 0)]).to_parquet(tmp_path / "metrics.parquet")
+    code, out, _ = run_cli(capsys, "score", str(tmp_path), "--json")
+    assert code == 0
+    rows = json.loads(out)["stabilizer_track"]
+    keys = {"task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return", "ci_low",
+            "ci_high", "n_seeds"}
+    assert [set(r) for r in rows] == [keys, keys]
+    assert {r["role"] for r in rows} == {"baseline", "matched-fix"}
