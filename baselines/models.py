@@ -1,0 +1,130 @@
+"""Actor-critic networks for the vector-observation trainers: a trunk shared by a policy and a value head.
+
+Every model here has the same interface, which the PPO trainer and the diagnostics rely on:
+
+- `forward(obs) -> (logits, value)`: obs is batch x obs_dim, logits batch x n_actions, value batch;
+- `hidden(obs) -> list[Tensor]`: the trunk's post-activation hidden units (each batch x units), read by
+  the `dormant` diagnostic;
+- `spec`: a dict (obs_dim, n_actions, width, depth) that stabilizers receive to build a replacement.
+
+`PlainMLP` is the deep plain network of the grids family: `depth` Linear layers of `width` units, each
+followed by ReLU, He-normal (Kaiming, fan-in) weights and zero biases. With PyTorch's default init a
+16-layer plain net is broken from the start (first-layer gradients ~1e-8, features of rank 1); He init
+keeps the forward signal at a constant scale through depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def he_linear(n_in: int, n_out: int) -> nn.Linear:
+    """A Linear layer with He-normal weights (std sqrt(2 / n_in)) and zero bias."""
+    layer = nn.Linear(n_in, n_out)
+    nn.init.kaiming_normal_(layer.weight, mode="fan_in", nonlinearity="relu")
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def make_spec(obs_dim: int, n_actions: int, width: int = 64, depth: int = 16) -> dict[str, Any]:
+    return {"obs_dim": int(obs_dim), "n_actions": int(n_actions), "width": int(width), "depth": int(depth)}
+
+
+class ActorCritic(nn.Module):
+    """Base class: subclasses build the trunk, call `_heads`, and define `hidden` (and a faster `features`)."""
+
+    spec: dict[str, Any]
+
+    def _heads(self, width: int, n_actions: int) -> None:
+        # CleanRL's head init: a near-uniform initial policy (orthogonal, gain 0.01), value gain 1.
+        self.policy, self.value = nn.Linear(width, n_actions), nn.Linear(width, 1)
+        for head, gain in ((self.policy, 0.01), (self.value, 1.0)):
+            nn.init.orthogonal_(head.weight, gain)
+            nn.init.zeros_(head.bias)
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.hidden(obs)[-1]
+
+    def hidden(self, obs: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.features(obs)
+        return self.policy(z), self.value(z).squeeze(-1)
+
+
+class PlainMLP(ActorCritic):
+    """`depth` x (Linear -> ReLU) trunk of `width` units, then a policy head and a value head."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec = dict(spec)
+        width, depth = spec["width"], spec["depth"]
+        dims = [spec["obs_dim"]] + [width] * depth
+        self.layers = nn.ModuleList(he_linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self._heads(width, spec["n_actions"])
+
+    def hidden(self, obs: torch.Tensor) -> list[torch.Tensor]:
+        acts, h = [], obs
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+            acts.append(h)
+        return acts
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        h = obs
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return h
+
+
+class MultiSkipResidualMLP(ActorCritic):
+    """Multi-skip residual trunk (Creus Castanyer et al. 2025), with the same heads and interface.
+
+        x0  = LN(W_in obs)
+        x_k = Block(x_{k-1}) + x_{k-1} + x0,   Block = ReLU -> Linear -> LN -> ReLU -> Linear -> LN
+        z   = ReLU(x_K)  -> policy head, value head
+
+    K = (depth - 1) // 2 blocks, so the trunk has 1 + 2K Linear layers (15 for depth 16): about as many as
+    the plain net. The global skip from x0 into every block keeps a short gradient path to the input.
+    """
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec = dict(spec)
+        width, blocks = spec["width"], max(1, (spec["depth"] - 1) // 2)
+        self.inp = he_linear(spec["obs_dim"], width)
+        self.inp_norm = nn.LayerNorm(width)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {"fc1": he_linear(width, width), "ln1": nn.LayerNorm(width),
+                 "fc2": he_linear(width, width), "ln2": nn.LayerNorm(width)}
+            )
+            for _ in range(blocks)
+        )
+        self._heads(width, spec["n_actions"])
+
+    def _trunk(self, obs: torch.Tensor, keep: list[torch.Tensor] | None) -> torch.Tensor:
+        x0 = self.inp_norm(self.inp(obs))
+        x = x0
+        for b in self.blocks:
+            a1 = torch.relu(x)
+            a2 = torch.relu(b["ln1"](b["fc1"](a1)))
+            x = b["ln2"](b["fc2"](a2)) + x + x0
+            if keep is not None:
+                keep.extend((a1, a2))
+        z = torch.relu(x)
+        if keep is not None:
+            keep.append(z)
+        return z
+
+    def hidden(self, obs: torch.Tensor) -> list[torch.Tensor]:
+        keep: list[torch.Tensor] = []
+        self._trunk(obs, keep)
+        return keep
+
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        return self._trunk(obs, None)

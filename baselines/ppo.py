@@ -1,0 +1,219 @@
+"""PPO with a clipped objective and GAE, CleanRL-style: one file, read top to bottom, the math visible.
+
+`PPO(envs, model, config, stabilizer).iterate()` performs one update:
+
+1. collect `num_steps` x `num_envs` transitions from a gymnasium `SyncVectorEnv` built with
+   `autoreset_mode=SAME_STEP` (a finished env is reset inside the same `step`; the episode's true
+   statistics arrive in `info["final_info"]["episode"]`, recorded by `RecordEpisodeStatistics`);
+2. compute GAE(lambda) advantages and returns; like CleanRL, a truncated episode counts as done;
+3. run `update_epochs` x `num_minibatches` steps of Adam on the clipped surrogate
+   L = -min(r A, clip(r, 1-eps, 1+eps) A) + vf_coef * 0.5 (V - R)^2 - ent_coef * H.
+
+Stabilizer hooks are called in the order of `suite.api.Stabilizer`: `model` and `optimizer` once at
+construction; per minibatch `advantages` -> `loss` -> backward -> `after_backward` -> optimizer step.
+Gradient clipping is *not* part of the trainer (CleanRL clips at 0.5 by default; here that is the
+`grad-clip` stabilizer).
+
+Randomness: action sampling and minibatch shuffles draw from one `numpy.random.Generator` held by the
+trainer, and the envs are seeded at construction, so a trainer's whole state lives in the object and
+`copy.deepcopy` branches it completely (the model is built by the caller, under its own torch seed).
+
+What `iterate()` returns (`suite.api.TrainState`):
+- `batch`: the iteration's rollout, flattened to (num_steps * num_envs, ...): obs, actions, logprobs,
+  values, advantages, returns, rewards (as the learner saw them, i.e. after any reward scaling), dones;
+- `grads`: each parameter's gradient on the last minibatch, cloned right after backward, *before* the
+  stabilizer's `after_backward` edits it and before the optimizer step (so a clipping stabilizer does
+  not hide the raw gradient from the diagnostics);
+- `losses`: means over the iteration's minibatches of `policy_loss`, `value_loss` (0.5 MSE, without
+  vf_coef), `entropy_loss` (the minibatch entropy), `approx_kl`, `clip_frac`; plus `entropy`, the mean
+  entropy of the policy that collected the rollout;
+- `extras`: `global_step` (env steps so far), `episode_return` (mean undiscounted true return of the
+  episodes that ended during this iteration's collection, NaN if none), `episodes` (their count),
+  `activations` (the trunk's hidden units on a held batch: the first iteration's observations).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from suite.api import Diverged, Stabilizer, TrainState
+
+
+@dataclass
+class PPOConfig:
+    num_envs: int = 8
+    num_steps: int = 32  # steps per env per update; batch = num_steps * num_envs
+    learning_rate: float = 5e-4
+    adam_eps: float = 1e-5
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    update_epochs: int = 4
+    num_minibatches: int = 2
+    clip_coef: float = 0.2
+    clip_vloss: bool = False  # CleanRL's optional clipped value loss
+    norm_adv: bool = True  # normalize advantages per minibatch
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    seed: int = 0
+
+
+def categorical_logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(a|s) of the given actions and the entropy H(pi(.|s)), from unnormalized logits."""
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, actions.long().unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+class PPO:
+    name = "ppo"
+
+    def __init__(self, envs: gym.vector.SyncVectorEnv, model: nn.Module, config: PPOConfig,
+                 stabilizer: Stabilizer | None = None) -> None:
+        self.envs, self.cfg = envs, config
+        self.stabilizer = stabilizer if stabilizer is not None else Stabilizer()
+        self.rng = np.random.default_rng(config.seed)
+        self.model = self.stabilizer.model(model, getattr(model, "spec", {}))
+        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self.optimizer = self.stabilizer.optimizer(opt, self.model)
+
+        self.batch_size = config.num_steps * config.num_envs
+        self.minibatch_size = self.batch_size // config.num_minibatches
+        obs, _ = envs.reset(seed=config.seed)
+        self.next_obs = torch.as_tensor(obs, dtype=torch.float32)
+        self.next_done = torch.zeros(config.num_envs)
+        self.global_step = 0
+        self.iteration = 0
+        self.held_obs: torch.Tensor | None = None  # fixed batch for the activation diagnostics
+
+    # ---- acting -------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draw one action per row from softmax(logits) by inverse CDF on the trainer's own generator."""
+        probs = torch.softmax(logits.double(), dim=-1).numpy()
+        u = self.rng.random(probs.shape[0])
+        actions = (probs.cumsum(-1) < u[:, None]).sum(-1)
+        return torch.as_tensor(np.minimum(actions, probs.shape[1] - 1), dtype=torch.long)
+
+    # ---- one update ---------------------------------------------------------------------------------
+    def iterate(self) -> TrainState:
+        cfg, model, T, N = self.cfg, self.model, self.cfg.num_steps, self.cfg.num_envs
+        obs = torch.zeros((T, N) + tuple(self.next_obs.shape[1:]))
+        actions = torch.zeros((T, N), dtype=torch.long)
+        logprobs, rewards, dones, values, entropies = (torch.zeros((T, N)) for _ in range(5))
+        ended: list[float] = []
+
+        # 1. rollout
+        for t in range(T):
+            obs[t], dones[t] = self.next_obs, self.next_done
+            with torch.no_grad():
+                logits, value = model(self.next_obs)
+            action = self.sample(logits)
+            logprobs[t], entropies[t] = categorical_logprob_entropy(logits, action)
+            values[t], actions[t] = value, action
+
+            next_obs, reward, terminated, truncated, info = self.envs.step(action.numpy())
+            self.global_step += N
+            rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
+            self.next_obs = torch.as_tensor(next_obs, dtype=torch.float32)
+            self.next_done = torch.as_tensor(np.logical_or(terminated, truncated), dtype=torch.float32)
+            final = info.get("final_info", {})
+            if "episode" in final:
+                ended.extend(float(r) for r in final["episode"]["r"][final["_episode"]])
+
+        # 2. GAE: delta_t = r_t + gamma V(s_{t+1}) (1 - done_{t+1}) - V(s_t)
+        #         A_t = delta_t + gamma lambda (1 - done_{t+1}) A_{t+1};  R_t = A_t + V(s_t)
+        with torch.no_grad():
+            next_value = model(self.next_obs)[1]
+        advantages = torch.zeros((T, N))
+        lastgaelam = torch.zeros(N)
+        for t in reversed(range(T)):
+            if t == T - 1:
+                nextnonterminal, nextvalues = 1.0 - self.next_done, next_value
+            else:
+                nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
+            delta = rewards[t] + cfg.gamma * nextvalues * nextnonterminal - values[t]
+            advantages[t] = lastgaelam = delta + cfg.gamma * cfg.gae_lambda * nextnonterminal * lastgaelam
+        returns = advantages + values
+
+        batch = {
+            "obs": obs.reshape((self.batch_size,) + tuple(obs.shape[2:])),
+            "actions": actions.reshape(-1),
+            "logprobs": logprobs.reshape(-1),
+            "values": values.reshape(-1),
+            "advantages": advantages.reshape(-1),
+            "returns": returns.reshape(-1),
+            "rewards": rewards.reshape(-1),
+            "dones": dones.reshape(-1),
+        }
+        if self.held_obs is None:
+            self.held_obs = batch["obs"].clone()
+
+        # 3. clipped-objective epochs
+        sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy_loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
+        n_updates = cfg.update_epochs * cfg.num_minibatches
+        grads: dict[str, torch.Tensor] = {}
+        for epoch in range(cfg.update_epochs):
+            perm = torch.as_tensor(self.rng.permutation(self.batch_size))
+            for k in range(cfg.num_minibatches):
+                idx = perm[k * self.minibatch_size:(k + 1) * self.minibatch_size]
+                mb = {key: v[idx] for key, v in batch.items()}
+                logits, newvalue = model(mb["obs"])
+                newlogprob, entropy = categorical_logprob_entropy(logits, mb["actions"])
+                logratio = newlogprob - mb["logprobs"]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1) - logratio).mean()  # Schulman's k3 estimator
+                    clip_frac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
+
+                mb_adv = mb["advantages"]
+                if cfg.norm_adv:
+                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                mb_adv = self.stabilizer.advantages(mb_adv, mb)
+
+                pg_loss = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
+                if cfg.clip_vloss:
+                    v_clipped = mb["values"] + (newvalue - mb["values"]).clamp(-cfg.clip_coef, cfg.clip_coef)
+                    v_loss = 0.5 * torch.max((newvalue - mb["returns"]) ** 2, (v_clipped - mb["returns"]) ** 2).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - mb["returns"]) ** 2).mean()
+                entropy_mean = entropy.mean()
+
+                terms = {"policy": pg_loss, "value": cfg.vf_coef * v_loss, "entropy": -cfg.ent_coef * entropy_mean}
+                terms = self.stabilizer.loss(terms, mb)
+                loss = sum(terms.values())
+                if not torch.isfinite(loss):
+                    raise Diverged(f"non-finite PPO loss {float(loss)} at iteration {self.iteration}")
+
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if epoch == cfg.update_epochs - 1 and k == cfg.num_minibatches - 1:
+                    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+                self.stabilizer.after_backward(model)
+                self.optimizer.step()
+
+                sums["policy_loss"] += float(pg_loss.detach())
+                sums["value_loss"] += float(v_loss.detach())
+                sums["entropy_loss"] += float(entropy_mean.detach())
+                sums["approx_kl"] += float(approx_kl)
+                sums["clip_frac"] += float(clip_frac)
+
+        for p in model.parameters():
+            if not torch.isfinite(p).all():
+                raise Diverged(f"non-finite parameters after iteration {self.iteration}")
+
+        self.iteration += 1
+        losses = {key: v / n_updates for key, v in sums.items()}
+        losses["entropy"] = float(entropies.mean())
+        extras = {
+            "global_step": self.global_step,
+            "episode_return": float(np.mean(ended)) if ended else math.nan,
+            "episodes": len(ended),
+        }
+        if hasattr(model, "hidden"):
+            with torch.no_grad():
+                extras["activations"] = [a.detach() for a in model.hidden(self.held_obs)]
+        return TrainState(model=model, batch=batch, grads=grads, losses=losses, extras=extras)

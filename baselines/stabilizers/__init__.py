@@ -1,0 +1,1 @@
+"""The papers' fixes (and named non-fixes) as stabilizers, one file each."""
