@@ -10,8 +10,9 @@ needs (model, optimizer, environments, RNG state) must therefore live inside the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:  # torch is imported by the code that builds models, not by the CLI's argument checks
     import torch
@@ -146,8 +147,8 @@ class Detector:
     name: ClassVar[str] = "detector"
 
     @classmethod
-    def for_task(cls, task: Task) -> Detector:
-        """A fresh detector for one run of `task`; override to read the task's declared pairing."""
+    def for_task(cls, task: Task, budget: Budget) -> Detector:
+        """A fresh detector for one run of `task` at a tier; override to read the task's declared pairing."""
         return cls()
 
     def update(self, row: Mapping[str, float]) -> bool:
@@ -167,7 +168,7 @@ class ThresholdDetector(Detector):
         self.metric, self.threshold, self.above = metric, threshold, above
 
     @classmethod
-    def for_task(cls, task: Task) -> ThresholdDetector:
+    def for_task(cls, task: Task, budget: Budget) -> ThresholdDetector:
         spec = task.detector
         return cls(spec.metric, spec.threshold, spec.above)
 

@@ -75,9 +75,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         methods=tuple(map(refs, args.methods)) if args.methods else None,
         seeds=args.seeds,
         stabilizers=tuple(map(refs, args.stabilizer or ())),
-        detectors=("threshold", *map(refs, args.detector or ())),
+        detectors=(*registry.DEFAULT_DETECTORS, *map(refs, args.detector or ())),
     )
-    out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{stamp}"
     if args.address:
         runner.check_address(args.address)
     exp = runner.prepare(out, spec, args.resume)
@@ -111,6 +112,43 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from suite import leaderboard
+
+    rows = leaderboard.submit(Path(args.dir), Path(args.leaderboard), args.method, args.detector)
+    for row in rows:
+        print(f"added: {row['track']} {row['name']} ({row['tier']}): {row['aggregate']} "
+              f"[{row['ci_low']}, {row['ci_high']}]")
+    print(f"{len(rows)} rows appended to {args.leaderboard}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from suite import leaderboard
+
+    rows = leaderboard.read(Path(args.leaderboard))
+    problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs])
+    for problem in problems:
+        print(f"mismatch: {problem}", file=sys.stderr)
+    print(f"{len(rows)} rows intact; {len(args.dirs)} run folders recomputed; {len(problems)} mismatches")
+    return 1 if problems else 0
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from suite import leaderboard
+
+    rows = leaderboard.read(Path(args.leaderboard))
+    if not rows:
+        print(f"{args.leaderboard}: no rows yet")
+        return 0
+    frame = pd.DataFrame(rows)[["track", "name", "version", "tier", "n_seeds", "aggregate", "ci_low", "ci_high",
+                                "per_task", "date"]]
+    print(frame.to_string(index=False))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stabench", description="Controlled experiments for RL training stability.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -135,6 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="the --out folder of a `stabench run`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(fn=cmd_score)
+
+    board = "results/leaderboard.csv"
+    p = sub.add_parser("submit", help="validate a finished run and append its rows to the leaderboard")
+    p.add_argument("dir", help="the --out folder of a finished `stabench run`")
+    p.add_argument("--method", action="append", help="submit this method (repeatable; default: all in the run)")
+    p.add_argument("--detector", action="append", help="submit this detector (repeatable)")
+    p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
+    p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("verify", help="check the leaderboard's rows, recomputing those from the given runs")
+    p.add_argument("dirs", nargs="*", help="run folders whose rows to recompute")
+    p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
+    p.set_defaults(fn=cmd_verify)
+
+    p = sub.add_parser("leaderboard", help="print the leaderboard")
+    p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
+    p.set_defaults(fn=cmd_leaderboard)
     return parser
 
 

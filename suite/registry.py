@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from suite.api import Detector, StabenchError, Stabilizer, Task
+from suite.api import Budget, Detector, StabenchError, Stabilizer, Task
 
 BUILTIN_TASKS: dict[str, str] = {
     "dead-layers": "tasks.dead_layers:DeadLayers",
@@ -33,7 +33,16 @@ BUILTIN_STABILIZERS: dict[str, str] = {
 
 BUILTIN_DETECTORS: dict[str, str] = {
     "threshold": "suite.api:ThresholdDetector",
+    "calibrated-threshold": "suite.detectors:CalibratedThreshold",
+    "cusum": "suite.detectors:Cusum",
+    "page-hinkley": "suite.detectors:PageHinkley",
+    "never": "suite.detectors:Never",
+    "always": "suite.detectors:Always",
+    "random": "suite.detectors:RandomAlarm",
+    "oracle": "suite.detectors:Oracle",
 }
+# Detectors whose alarms a run records; the oracle is scored from the ground truth instead.
+DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS if d != "oracle")
 
 _KINDS: dict[str, tuple[dict[str, str], str, type]] = {
     "task": (BUILTIN_TASKS, "stabench.tasks", Task),
@@ -136,5 +145,5 @@ def make_stabilizer(ref: str) -> Stabilizer:
     return resolve_class("stabilizer", ref)()
 
 
-def make_detector(ref: str, task: Task) -> Detector:
-    return resolve_class("detector", ref).for_task(task)
+def make_detector(ref: str, task: Task, budget: Budget) -> Detector:
+    return resolve_class("detector", ref).for_task(task, budget)

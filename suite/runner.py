@@ -21,10 +21,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -71,7 +72,7 @@ class TrialSpec:
     method: str  # registered name or plugin reference
     seed: int
     tier: str
-    detectors: tuple[str, ...] = ("threshold",)
+    detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
 
     @property
     def key(self) -> str:
@@ -87,7 +88,7 @@ class ExperimentSpec:
     methods: tuple[str, ...] | None = None  # None: each task's own default methods
     seeds: int | None = None  # None: each task's budget at the tier
     stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
-    detectors: tuple[str, ...] = ("threshold",)
+    detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
 
     def config_hash(self) -> str:
         return digest(asdict(self))
@@ -148,6 +149,7 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
         "task_version": task.version,
         "family": task.family,
         "method": method,
+        "method_ref": spec.method,
         "role": task.role(method),
         "seed": spec.seed,
         "tier": spec.tier,
@@ -196,7 +198,7 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
             frame["diverged_at"] = np.nan
         frame["diverged_at"] = frame["diverged_at"].max()
         for det_ref in spec.detectors:
-            detector = registry.make_detector(det_ref, task)
+            detector = registry.make_detector(det_ref, task, budget)
             name = registry.resolve_class("detector", det_ref).name
             frame[f"alarm/{name}"] = [bool(detector.update(r)) for r in frame.to_dict("records")]
         frame["variant"] = variant
@@ -285,7 +287,8 @@ class RayCluster:
             try:
                 ray.init(address=self.address, log_to_driver=False, configure_logging=False)
             except Exception as exc:  # ConnectionError, AuthenticationError, ...
-                raise StabenchError(f"cannot join the Ray cluster at {self.address}: {str(exc).splitlines()[0]}") from exc
+                first = str(exc).splitlines()[0]
+                raise StabenchError(f"cannot join the Ray cluster at {self.address}: {first}") from exc
         else:
             self.temp_dir = tempfile.mkdtemp(prefix="sbray")  # short: Ray's socket paths have a length cap
             ray.init(
@@ -416,7 +419,9 @@ def collect(results: Any, expected: list[TrialSpec]) -> tuple[pd.DataFrame, pd.D
     rows = []
     for spec in expected:
         st, err, secs = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan))
-        rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err, "seconds": secs})
+        rows.append(
+            {**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err, "seconds": secs}
+        )
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
         table = table.sort_values(["task", "method", "seed", "variant", "iteration"], kind="stable")

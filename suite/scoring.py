@@ -6,6 +6,23 @@ Stabilizer track, per task and method:
 - normalized return: the mean true return over the post-onset iterations, mapped through the task's
   fixed floor and ceiling, (R - floor) / (ceiling - floor). Iterations a diverged run never reached
   count at the floor. The 95% interval is a percentile bootstrap over seeds (scipy, fixed seed).
+- drawdown: the largest fall of the normalized return after onset below its own running maximum
+  (from onset on), a stability figure the mean hides.
+- across tasks (the rliable protocol, Agarwal et al. 2021): the interquartile mean of the normalized
+  returns of all (task, seed) runs, with a stratified bootstrap 95% interval (seeds resampled within
+  each task), and the probability of improvement over the baseline, P(X > Y) + P(X = Y) / 2 from the
+  Mann-Whitney U statistic per task, averaged over tasks, with the same stratified interval.
+
+Detector track, per task and detector, on the baseline method's runs (after the Numenta Anomaly
+Benchmark's scoring, standard profile A_TP = 1, A_FN = 1, A_FP = 0.11):
+- an alarm event is a row whose alarm is raised when the previous row's was not;
+- a failing injected run (its ground truth crossed) is detected by its first alarm event at or after
+  onset; at relative position y = latency / post-onset horizon - 1 in [-1, 0] it earns
+  A_TP * (2 / (1 + e^(5y)) - 1); a miss costs A_FN and its latency counts as the whole horizon;
+- every alarm event before onset, and every alarm event on a control run, is a false alarm costing A_FP;
+- score = 100 (S - S_never) / (S_oracle - S_never), clipped to [0, 100], where S_never = -A_FN x failures
+  (no alarm) and S_oracle alarms exactly at onset on every failing run. An alarm held from before onset
+  is not a detection, so `always` earns only false alarms.
 """
 
 from __future__ import annotations
@@ -21,6 +38,7 @@ from suite.api import GroundTruth, Task
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
+NAB = {"tp": 1.0, "fn": 1.0, "fp": 0.11}
 
 
 def run_failed(rows: pd.DataFrame, gt: GroundTruth, onset: int, iterations: int) -> bool:
@@ -50,6 +68,15 @@ def post_onset_return(rows: pd.DataFrame, task: Task, onset: int, iterations: in
     return float((observed.sum() + missing * task.return_floor) / count) if count else math.nan
 
 
+def post_onset_drawdown(rows: pd.DataFrame, task: Task, onset: int) -> float:
+    """Largest drop of the normalized return below its running maximum after onset (0 = monotone)."""
+    post = rows.loc[rows["iteration"] >= onset, "return"].astype(float).dropna()
+    if post.empty:
+        return math.nan
+    norm = post.map(task.normalized_return).to_numpy()
+    return float(np.max(np.maximum.accumulate(norm) - norm))
+
+
 def outcomes(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (task, method, seed, variant): failed, post-onset return, normalized return."""
     rows = []
@@ -71,6 +98,7 @@ def outcomes(table: pd.DataFrame) -> pd.DataFrame:
                 "diverged": bool((run["status"] == "diverged").any()),
                 "post_onset_return": ret,
                 "normalized_return": task.normalized_return(ret) if not math.isnan(ret) else math.nan,
+                "drawdown": post_onset_drawdown(run, task, onset),
             }
         )
     return pd.DataFrame(rows)
@@ -93,10 +121,10 @@ def bootstrap_mean_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[flo
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def stabilizer_track(table: pd.DataFrame) -> list[dict]:
+def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> list[dict]:
     """Per task and method: failure rates, normalized return with its 95% interval, number of seeds."""
     out = []
-    per_run = outcomes(table)
+    per_run = outcomes(table) if per_run is None else per_run
     for (task_id, method), group in per_run.groupby(["task", "method"], sort=True):
         injected = group[group["variant"] == "injected"]
         control = group[group["variant"] == "control"]
@@ -113,23 +141,208 @@ def stabilizer_track(table: pd.DataFrame) -> list[dict]:
                 "ci_low": low,
                 "ci_high": high,
                 "n_seeds": int(injected["seed"].nunique()),
+                "drawdown": float(injected["drawdown"].mean()),
             }
         )
     order = {"baseline": 0, "matched-fix": 1, "other": 2}
     return sorted(out, key=lambda r: (r["task"], order.get(r["role"], 3), r["method"]))
 
 
+def _iqm(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
+    return stats.trim_mean(np.concatenate(samples, axis=axis), 0.25, axis=axis)
+
+
+def _poi(*pairs: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Mean over tasks of P(X > Y) + P(X = Y) / 2; `pairs` alternates x and y samples of each task."""
+    per_task = []
+    for x, y in zip(pairs[0::2], pairs[1::2]):
+        x, y = np.moveaxis(x, axis, -1), np.moveaxis(y, axis, -1)
+        gt = (x[..., :, None] > y[..., None, :]).mean((-2, -1))
+        eq = (x[..., :, None] == y[..., None, :]).mean((-2, -1))
+        per_task.append(gt + 0.5 * eq)
+    return np.mean(per_task, axis=0)
+
+
+def _stratified_ci(statistic, samples: list[np.ndarray]) -> tuple[float, float]:
+    """Percentile interval of a bootstrap that resamples each sample (one per task) on its own."""
+    if all(len(s) < 2 or np.all(s == s[0]) for s in samples):
+        value = float(statistic(*samples))
+        return value, value
+    res = stats.bootstrap(
+        tuple(samples),
+        statistic,
+        n_resamples=BOOTSTRAP_RESAMPLES // 5,
+        method="percentile",
+        vectorized=True,
+        rng=np.random.default_rng(BOOTSTRAP_SEED),
+    )
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def aggregate(per_run: pd.DataFrame) -> list[dict]:
+    """Per method, across the tasks it ran on: IQM of normalized return and probability of improvement."""
+    injected = per_run[per_run["variant"] == "injected"].dropna(subset=["normalized_return"])
+    samples = {
+        (task, method): g.sort_values("seed")["normalized_return"].to_numpy(float)
+        for (task, method), g in injected.groupby(["task", "method"])
+    }
+    out = []
+    for method in sorted(injected["method"].unique()):
+        tasks = sorted(t for t, m in samples if m == method)
+        own = [samples[(t, method)] for t in tasks]
+        low, high = _stratified_ci(_iqm, own)
+        row = {"method": method, "n_tasks": len(tasks), "iqm": float(_iqm(*own)), "ci_low": low, "ci_high": high}
+        shared = [t for t in tasks if (t, "baseline") in samples]
+        if shared:
+            pairs = [a for t in shared for a in (samples[(t, method)], samples[(t, "baseline")])]
+            p_low, p_high = _stratified_ci(_poi, pairs)
+            row.update(probability_of_improvement=float(_poi(*pairs)), poi_ci_low=p_low, poi_ci_high=p_high)
+        out.append(row)
+    return out
+
+
+def _nab_reward(y: float) -> float:
+    return 2.0 / (1.0 + math.exp(5.0 * y)) - 1.0
+
+
+def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (task, detector, seed, variant) of the baseline's runs: its additive share of the score.
+
+    Columns: `s` (NAB score earned), `null` and `perfect` (what `never` and the oracle earn on this run),
+    `failure` (the run is a failing injected run), `detected`, `latency_steps`, `latency_frac`,
+    `false_iterations` and `negative_iterations` (iterations where any alarm is false).
+    """
+    per_run = outcomes(table) if per_run is None else per_run
+    failed = {(r.task, r.seed, r.variant): r.failed for r in per_run[per_run["role"] == "baseline"].itertuples()}
+    base = table[table["role"] == "baseline"]
+    alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
+    rows = []
+    for task_id, task_rows in base.groupby("task", sort=True):
+        ref = task_rows["task_ref"].iloc[0] if "task_ref" in task_rows else task_id
+        task = registry.get_task(ref)
+        for (seed, variant), run in task_rows.groupby(["seed", "variant"], sort=True):
+            run = run.sort_values("iteration")
+            onset, horizon = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
+            it = run["iteration"].to_numpy()
+            steps = run["step"].to_numpy(float)
+            before = steps[it == onset - 1]
+            start = float(before[0]) if len(before) else 0.0
+            failure = variant == "injected" and failed.get((task_id, seed, variant), False)
+            negative = (it < onset) if variant == "injected" else np.ones(len(it), bool)
+            for column in [*alarm_columns, "alarm/oracle"]:
+                detector = column.split("/", 1)[1]
+                if detector == "oracle":
+                    alarms = (it == onset) & failure
+                elif column in run:
+                    alarms = run[column].astype("boolean").fillna(False).to_numpy(bool)
+                else:
+                    alarms = np.zeros(len(it), bool)
+                events = alarms & ~np.concatenate([[False], alarms[:-1]])
+                row = {
+                    "task": task_id,
+                    "detector": detector,
+                    "diagnostic": _diagnostic_of(detector, task),
+                    "seed": seed,
+                    "variant": variant,
+                    "s": -NAB["fp"] * int((events & negative).sum()),
+                    "null": -NAB["fn"] if failure else 0.0,
+                    "perfect": NAB["tp"] * _nab_reward(-1.0) if failure else 0.0,
+                    "failure": failure,
+                    "detected": False,
+                    "latency_steps": math.nan,
+                    "latency_frac": math.nan,
+                    "false_iterations": int((alarms & negative).sum()),
+                    "negative_iterations": int(negative.sum()),
+                }
+                if failure:
+                    hits = np.flatnonzero(events & (it >= onset))
+                    if len(hits):
+                        frac = (it[hits[0]] - onset) / (horizon - onset)
+                        row.update(detected=True, latency_frac=frac, latency_steps=float(steps[hits[0]]) - start)
+                        row["s"] += NAB["tp"] * _nab_reward(frac - 1.0)
+                    else:
+                        row.update(latency_frac=1.0, latency_steps=float(np.nanmax(steps)) - start)
+                        row["s"] -= NAB["fn"]
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def normalized_detector_score(s: float, null: float, perfect: float) -> float:
+    """100 (S - S_never) / (S_oracle - S_never), clipped to [0, 100]; NaN when nothing failed."""
+    if perfect - null <= 0:
+        return math.nan
+    return float(np.clip(100 * (s - null) / (perfect - null), 0, 100))
+
+
+def detector_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> list[dict]:
+    """Per task and detector: detection rate, latency, false alarms per 1,000 iterations, 0-100 score."""
+    runs = detector_runs(table, per_run)
+    out = []
+    if runs.empty:
+        return out
+    for (task_id, detector), g in runs.groupby(["task", "detector"], sort=False):
+        fails = g[g["failure"]]
+        negative = int(g["negative_iterations"].sum())
+        out.append(
+            {
+                "task": task_id,
+                "detector": detector,
+                "diagnostic": g["diagnostic"].iloc[0],
+                "detection_rate": float(fails["detected"].mean()) if len(fails) else math.nan,
+                "median_latency_steps": float(fails["latency_steps"].median()) if len(fails) else math.nan,
+                "median_latency_frac": float(fails["latency_frac"].median()) if len(fails) else math.nan,
+                "false_alarms_per_1k": 1000 * int(g["false_iterations"].sum()) / negative if negative else 0.0,
+                "score": normalized_detector_score(g["s"].sum(), g["null"].sum(), g["perfect"].sum()),
+                "n_failures": len(fails),
+            }
+        )
+    return out
+
+
+def _diagnostic_of(detector: str, task: Task) -> str:
+    if detector == "oracle":
+        return f"ground truth ({task.ground_truth.metric})"
+    if detector in ("never", "always", "random"):
+        return "-"
+    return task.detector.metric
+
+
 def score(table: pd.DataFrame) -> dict:
     """The JSON object `stabench score --json` prints."""
-    return {"stabilizer_track": stabilizer_track(table)}
+    per_run = outcomes(table)
+    return {
+        "stabilizer_track": stabilizer_track(table, per_run),
+        "aggregate": aggregate(per_run),
+        "detector_track": detector_track(table, per_run),
+    }
 
 
 def format_table(result: dict) -> str:
+    """The human-readable form of `score`: three tables."""
+    parts = []
     frame = pd.DataFrame(result["stabilizer_track"])
     if frame.empty:
         return "no runs to score"
     frame["normalized_return (95% CI)"] = [
         f"{r.normalized_return:6.3f} [{r.ci_low:6.3f}, {r.ci_high:6.3f}]" for r in frame.itertuples()
     ]
-    cols = ["task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return (95% CI)", "n_seeds"]
-    return frame[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}")
+    cols = ["task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return (95% CI)",
+            "drawdown", "n_seeds"]
+    parts.append("stabilizer track\n" + frame[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    agg = pd.DataFrame(result.get("aggregate", []))
+    if not agg.empty:
+        agg["IQM (95% CI)"] = [f"{r.iqm:6.3f} [{r.ci_low:6.3f}, {r.ci_high:6.3f}]" for r in agg.itertuples()]
+        if "probability_of_improvement" in agg:
+            agg["P(improve over baseline) (95% CI)"] = [
+                f"{r.probability_of_improvement:4.2f} [{r.poi_ci_low:4.2f}, {r.poi_ci_high:4.2f}]"
+                if not pd.isna(r.probability_of_improvement) else "-"
+                for r in agg.itertuples()
+            ]
+        keep = [c for c in ("method", "n_tasks", "IQM (95% CI)", "P(improve over baseline) (95% CI)") if c in agg]
+        parts.append("across tasks\n" + agg[keep].to_string(index=False))
+    det = pd.DataFrame(result.get("detector_track", []))
+    if not det.empty:
+        cols = ["task", "detector", "diagnostic", "detection_rate", "median_latency_frac", "false_alarms_per_1k",
+                "score"]
+        parts.append("detector track\n" + det[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    return "\n\n".join(parts)

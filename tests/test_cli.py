@@ -37,7 +37,7 @@ def run_cli(capsys, *argv):
 def test_bad_input_is_one_line_nonzero_and_writes_nothing(capsys, tmp_path, argv, message):
     out_dir = tmp_path / "out"
     if argv[0] == "run":
-        argv = [*argv, "--tier", "smoke", "--out", str(out_dir)] if "--tier" not in argv else [*argv, "--out", str(out_dir)]
+        argv = [*argv, "--out", str(out_dir)] + ([] if "--tier" in argv else ["--tier", "smoke"])
     code, out, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("stabench: error:") and message in err
@@ -53,7 +53,8 @@ def test_an_output_folder_with_another_experiment_is_refused_without_resume(caps
     assert code == 2 and "already holds files; pass --resume" in err
     assert sorted(p.name for p in out_dir.iterdir()) == before
     assert (out_dir / "metrics.parquet").read_bytes() == b"someone else's results"
-    code, _, err = run_cli(capsys, "run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask", "--out", str(out_dir), "--resume")
+    code, _, err = run_cli(capsys, "run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask", "--out", str(out_dir),
+                           "--resume")
     assert code == 2 and "nothing to resume" in err
 
 
@@ -64,16 +65,23 @@ def test_list_names_every_registry_through_the_console_script():
         assert name in proc.stdout
 
 
-def test_score_json_has_the_stabilizer_track_schema(capsys, tmp_path):
-    from test_harness import toy_trial
-
+def test_score_json_has_both_tracks_schema(capsys, tmp_path):
     import pandas as pd
+    from test_harness import toy_trial
 
     pd.concat([toy_trial("baseline", 0), toy_trial(f"{TOY}:ToyFix", 0)]).to_parquet(tmp_path / "metrics.parquet")
     code, out, _ = run_cli(capsys, "score", str(tmp_path), "--json")
     assert code == 0
-    rows = json.loads(out)["stabilizer_track"]
+    result = json.loads(out)
+    rows = result["stabilizer_track"]
     keys = {"task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return", "ci_low",
             "ci_high", "n_seeds"}
-    assert [set(r) for r in rows] == [keys, keys]
+    assert len(rows) == 2 and all(keys <= set(r) for r in rows)
     assert {r["role"] for r in rows} == {"baseline", "matched-fix"}
+    detector_keys = {"task", "detector", "diagnostic", "detection_rate", "median_latency_steps",
+                     "median_latency_frac", "false_alarms_per_1k", "score"}
+    detectors = {r["detector"]: r for r in result["detector_track"]}
+    assert all(detector_keys <= set(r) for r in detectors.values())
+    assert {"never", "always", "oracle", "random", "cusum", "page-hinkley", "calibrated-threshold"} <= set(detectors)
+    assert detectors["oracle"]["score"] == 100.0
+    assert {r["method"] for r in result["aggregate"]} == {"baseline", "toy-fix"}

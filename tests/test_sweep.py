@@ -44,9 +44,10 @@ def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
         assert set(rows.method) == set(task.methods)
         assert len(rows) == len(task.methods) * 2 * 2 * budget.iterations  # methods x seeds x variants x its
         assert task.ground_truth.metric in rows
-        for diagnostic_column in {"grad_norms": "grad_norm_total", "kl_estimators": "kl_k3", "dormant": "dormant_share"}.items():
-            if diagnostic_column[0] in task.diagnostics:
-                assert rows[diagnostic_column[1]].notna().any()
+        columns = {"grad_norms": "grad_norm_total", "kl_estimators": "kl_k3", "dormant": "dormant_share"}
+        for diagnostic, column in columns.items():
+            if diagnostic in task.diagnostics:
+                assert rows[column].notna().any(), column
         assert rows.entropy.notna().all()
     trials = pd.read_csv(out / "trials.csv")
     assert len(trials) == sum(len(registry.get_task(t).methods) * 2 for t in TASKS)

@@ -1,0 +1,320 @@
+"""The leaderboard: `results/leaderboard.csv`, one verifiable row per submission.
+
+A row names its track (`stabilizer` or `detector`), the method or detector and its version, the tier,
+the suite and library versions, the git commit of the suite, the date, the number of seeds, the per-task
+scores, and the aggregate with its 95% interval:
+- stabilizer track: per task the mean normalized return after onset; aggregate the interquartile mean
+  over all (task, seed) runs with a stratified bootstrap interval (`suite.scoring.aggregate`);
+- detector track: per task the 0-100 detection score; aggregate the mean over tasks, with a stratified
+  bootstrap interval that resamples seeds within each task.
+`results_digest` is a digest of the raw table the row was computed from, and `row_digest` a digest of
+the row's own fields: a row edited by hand no longer matches it. `stabench verify DIR` recomputes every
+row whose `results_digest` matches DIR's table and reports any difference.
+
+Every check runs before anything is written; the append happens under a file lock and replaces the file
+atomically, so a refused submission leaves `leaderboard.csv` byte-identical and concurrent submissions
+all land.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import math
+import os
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from filelock import FileLock
+from scipy import stats
+
+from suite import registry, scoring
+from suite.api import StabenchError
+
+COLUMNS = [
+    "track", "name", "version", "tier", "suite_version", "libraries", "git_commit", "date", "n_seeds",
+    "per_task", "aggregate", "ci_low", "ci_high", "results_digest", "row_digest",
+]
+SCORE_FIELDS = ("per_task", "aggregate", "ci_low", "ci_high", "n_seeds")
+DEFAULT_PATH = Path("results/leaderboard.csv")
+
+
+def results_digest(table: pd.DataFrame) -> str:
+    """A digest of the table's content (row order and column order fixed), independent of file bytes."""
+    ordered = table[sorted(table.columns)].sort_values(["task", "method", "seed", "variant", "iteration"])
+    hashed = pd.util.hash_pandas_object(ordered.reset_index(drop=True), index=False).to_numpy()
+    header = json.dumps(sorted(table.columns)).encode()
+    return hashlib.sha256(header + hashed.tobytes()).hexdigest()
+
+
+def row_digest(row: dict) -> str:
+    body = json.dumps({k: str(row[k]) for k in COLUMNS if k != "row_digest"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _fmt(value: float) -> str:
+    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.6f}"
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+            cwd=Path(__file__).resolve().parent,
+        )
+        return out.stdout.strip() if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _detector_aggregate(runs: pd.DataFrame) -> tuple[float, float, float]:
+    """Mean over tasks of the detection score, with an interval from resampling seeds within tasks."""
+    per_task = []
+    for _, g in runs.groupby("task", sort=True):
+        by_seed = g.groupby("seed")[["s", "null", "perfect"]].sum()
+        if (by_seed["perfect"] - by_seed["null"]).sum() > 0:
+            per_task.append(by_seed.to_numpy())
+    if not per_task:
+        return math.nan, math.nan, math.nan
+
+    def statistic(*index: np.ndarray, axis: int = -1) -> np.ndarray:
+        scores = []
+        for contributions, idx in zip(per_task, index):
+            picked = contributions[idx.astype(int)]  # (..., seeds, 3)
+            s, null, perfect = picked[..., 0].sum(-1), picked[..., 1].sum(-1), picked[..., 2].sum(-1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                scores.append(np.clip(100 * (s - null) / (perfect - null), 0, 100))
+        return np.nanmean(scores, axis=0)
+
+    index = [np.arange(len(c)) for c in per_task]
+    value = float(statistic(*index))
+    if all(len(i) < 2 for i in index):
+        return value, value, value
+    res = stats.bootstrap(
+        tuple(index), statistic, n_resamples=scoring.BOOTSTRAP_RESAMPLES // 5, method="percentile",
+        vectorized=True, rng=np.random.default_rng(scoring.BOOTSTRAP_SEED),
+    )
+    return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
+    """The table, manifest and trial list of a finished run folder, or one clear error."""
+    from suite.runner import MANIFEST, METRICS, TRIALS
+
+    paths = [directory / METRICS, directory / MANIFEST, directory / TRIALS]
+    for path in paths:
+        if not path.is_file():
+            raise StabenchError(f"{directory} is not a finished run: {path.name} is missing")
+    try:
+        return pd.read_parquet(paths[0]), json.loads(paths[1].read_text()), pd.read_csv(paths[2])
+    except Exception as exc:
+        raise StabenchError(f"cannot read the run in {directory}: {exc}") from exc
+
+
+def validate_run(table: pd.DataFrame, manifest: dict, trials: pd.DataFrame) -> None:
+    """Refuse a run that is not a complete, current, honestly recorded grid for its tier."""
+    from suite.runner import SUITE_VERSION
+
+    if manifest.get("suite_version") != SUITE_VERSION or set(table["suite_version"]) != {SUITE_VERSION}:
+        raise StabenchError(
+            f"the run was made by suite version {manifest.get('suite_version')}, this is {SUITE_VERSION}: rerun it"
+        )
+    bad = trials[trials["status"] != "ok"]
+    bad = bad[bad["status"] != "diverged"]
+    if len(bad):
+        first = bad.iloc[0]
+        raise StabenchError(
+            f"incomplete run: {len(bad)} trials did not finish (first: {first['task']} {first['method']} "
+            f"seed {first['seed']}: {first['status']})"
+        )
+    tier = manifest["spec"]["tier"]
+    expected_tasks = {registry.get_task(n).id for n in registry.names("task") if not registry.get_task(n).experimental}
+    missing = expected_tasks - set(table["task"])
+    if missing:
+        raise StabenchError(f"incomplete grid for tier {tier}: tasks {', '.join(sorted(missing))} are missing")
+    for (task_id, method), g in table.groupby(["task", "method"]):
+        task = registry.get_task(g["task_ref"].iloc[0])
+        budget = task.budget(tier)
+        seeds = g["seed"].nunique()
+        if seeds < budget.seeds:
+            raise StabenchError(
+                f"{task_id} {method}: {seeds} seeds, the {tier} tier needs at least {budget.seeds}"
+            )
+        for (seed, variant), run in g.groupby(["seed", "variant"]):
+            diverged = (run["status"] == "diverged").any()
+            if not diverged and sorted(run["iteration"]) != list(range(budget.iterations)):
+                raise StabenchError(f"{task_id} {method} seed {seed} {variant}: iterations are missing")
+        if set(g["variant"]) != {"injected", "control"}:
+            raise StabenchError(f"{task_id} {method}: both the injected and the control variant are needed")
+    if trials.duplicated(["task", "method", "seed"]).any():
+        raise StabenchError("the run's trial list has duplicates")
+    recorded = {(r.task_ref, r.seed) for r in table[["task_ref", "seed"]].drop_duplicates().itertuples()}
+    listed = {(t.task, t.seed) for t in trials.itertuples()}
+    if listed - recorded:
+        raise StabenchError(f"trials missing from the table (a run was dropped): {sorted(listed - recorded)[:3]}")
+
+
+def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None = None,
+                 detectors: list[str] | None = None) -> list[dict]:
+    """The leaderboard rows for the chosen methods and detectors of one run (all of them by default)."""
+    tier = manifest["spec"]["tier"]
+    per_run = scoring.outcomes(table)
+    all_methods = sorted(table["method"].unique())
+    all_detectors = sorted({c.split("/", 1)[1] for c in table.columns if c.startswith("alarm/")} | {"oracle"})
+    if methods is None and detectors is None:
+        methods, detectors = all_methods, all_detectors
+    for m in methods or []:
+        if m not in all_methods:
+            raise StabenchError(f"method {m!r} is not in this run (it has {', '.join(all_methods)})")
+    for d in detectors or []:
+        if d not in all_detectors:
+            raise StabenchError(f"detector {d!r} is not in this run (it has {', '.join(all_detectors)})")
+    common = {
+        "tier": tier,
+        "suite_version": manifest["suite_version"],
+        "libraries": json.dumps(manifest.get("libraries", {}), sort_keys=True, separators=(",", ":")),
+        "git_commit": _git_commit(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "results_digest": results_digest(table),
+    }
+    aggregate = {a["method"]: a for a in scoring.aggregate(per_run)}
+    rows = []
+    for method in methods or []:
+        own = per_run[(per_run["method"] == method) & (per_run["variant"] == "injected")]
+        per_task = {t: round(float(g["normalized_return"].mean()), 6) for t, g in own.groupby("task")}
+        agg = aggregate[method]
+        rows.append({**common, "track": "stabilizer", "name": method, "version": _version(table, method),
+                     "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
+                     "per_task": json.dumps(per_task, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
+                     "ci_low": _fmt(agg["ci_low"]), "ci_high": _fmt(agg["ci_high"])})
+    runs = scoring.detector_runs(table, per_run)
+    for detector in detectors or []:
+        own = runs[runs["detector"] == detector]
+        per_task = {}
+        for t, g in own.groupby("task"):
+            value = scoring.normalized_detector_score(g["s"].sum(), g["null"].sum(), g["perfect"].sum())
+            per_task[t] = None if math.isnan(value) else round(value, 6)
+        value, low, high = _detector_aggregate(own)
+        rows.append({**common, "track": "detector", "name": detector, "version": "1",
+                     "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
+                     "per_task": json.dumps(per_task, sort_keys=True), "aggregate": _fmt(value),
+                     "ci_low": _fmt(low), "ci_high": _fmt(high)})
+    for row in rows:
+        row["row_digest"] = row_digest(row)
+    return rows
+
+
+def _version(table: pd.DataFrame, method: str) -> str:
+    """`builtin` for the suite's own methods; a plugin's class attribute `version` (default "1")."""
+    if method in registry.BUILTIN_STABILIZERS:
+        return "builtin"
+    ref = table.loc[table["method"] == method, "method_ref"].iloc[0]
+    return str(getattr(registry.resolve_class("stabilizer", ref), "version", "1"))
+
+
+def read(path: Path) -> list[dict]:
+    """The leaderboard's rows, after checking its header and every row's digest."""
+    if not path.exists():
+        return []
+    try:
+        text = path.read_text()
+        reader = csv.DictReader(io.StringIO(text))
+        if reader.fieldnames != COLUMNS:
+            raise StabenchError(f"{path} is corrupt: its header is not the leaderboard's")
+        rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise StabenchError(f"{path} is corrupt: {exc}") from exc
+    for number, row in enumerate(rows, start=2):
+        if None in row or any(v is None for v in row.values()):
+            raise StabenchError(f"{path} is corrupt: line {number} has the wrong number of fields")
+        if row["row_digest"] != row_digest(row):
+            raise StabenchError(f"{path} has a tampered row: line {number} ({row['track']} {row['name']})")
+    return rows
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(buffer.getvalue())
+    os.replace(tmp, path)
+
+
+def submit(directory: Path, path: Path = DEFAULT_PATH, methods: list[str] | None = None,
+           detectors: list[str] | None = None) -> list[dict]:
+    """Validate a run and append its rows atomically; refuse duplicates, corrupt or tampered files."""
+    table, manifest, trials = load_run(directory)
+    validate_run(table, manifest, trials)
+    new = compute_rows(table, manifest, methods, detectors)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock", timeout=60):
+        rows = read(path)
+        seen = {(r["track"], r["name"], r["version"], r["tier"], r["results_digest"]) for r in rows}
+        for row in new:
+            if (row["track"], row["name"], row["version"], row["tier"], row["results_digest"]) in seen:
+                raise StabenchError(
+                    f"duplicate: {row['track']} {row['name']} at tier {row['tier']} "
+                    "from these results is already listed"
+                )
+        _write(path, rows + new)
+        render_markdown(rows + new, path.with_name("LEADERBOARD.md"))
+    return new
+
+
+def verify(path: Path, directories: list[Path]) -> list[str]:
+    """Problems found: rows whose scores differ when recomputed from the given run folders."""
+    rows = read(path)
+    problems = []
+    for directory in directories:
+        table, manifest, _ = load_run(directory)
+        digest = results_digest(table)
+        mine = [r for r in rows if r["results_digest"] == digest]
+        if not mine:
+            problems.append(f"{directory}: no leaderboard row was computed from these results")
+            continue
+        fresh = {(r["track"], r["name"]): r for r in compute_rows(
+            table, manifest,
+            [r["name"] for r in mine if r["track"] == "stabilizer"],
+            [r["name"] for r in mine if r["track"] == "detector"],
+        )}
+        for row in mine:
+            again = fresh[(row["track"], row["name"])]
+            for field in SCORE_FIELDS:
+                if str(again[field]) != str(row[field]):
+                    problems.append(
+                        f"{row['track']} {row['name']}: {field} is {row[field]} in the leaderboard, "
+                        f"{again[field]} from {directory}"
+                    )
+    return problems
+
+
+def render_markdown(rows: list[dict], path: Path) -> None:
+    """`results/LEADERBOARD.md`, rendered from the CSV (never edited by hand)."""
+    lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", ""]
+    for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
+                               ("detector", "Detector track", "mean detection score (0-100)")):
+        mine = sorted((r for r in rows if r["track"] == track), key=lambda r: -float(r["aggregate"])
+                      if r["aggregate"] != "nan" else math.inf)
+        if not mine:
+            continue
+        tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
+        lines += [f"## {title}", "", f"Aggregate: {unit}, 95% stratified bootstrap interval.", ""]
+        lines.append("| name | version | tier | seeds | aggregate [95% CI] | " + " | ".join(tasks) + " | date |")
+        lines.append("|---" * (6 + len(tasks)) + "|")
+        for r in mine:
+            per = json.loads(r["per_task"])
+            cells = [("-" if per.get(t) is None else f"{per[t]:.3g}") for t in tasks]
+            agg = f"{float(r['aggregate']):.3g} [{float(r['ci_low']):.3g}, {float(r['ci_high']):.3g}]"
+            lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
+                         + " | ".join(cells) + f" | {r['date'][:10]} |")
+        lines.append("")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, path)
