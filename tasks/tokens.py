@@ -1,0 +1,163 @@
+"""Shared pieces of the token family: a tiny causal transformer policy, sampling, log-probs, enumeration.
+
+Conventions every token task follows:
+
+- The policy is a `transformers` causal LM built from a config (never downloaded). Its vocabulary is
+  `n_actions` answer tokens (ids 0 .. n_actions - 1) plus one special token, id `n_actions`, that serves
+  as BOS, EOS and padding. Policies only ever emit answer tokens: their next-token distribution is the
+  softmax over the first `n_actions` logits.
+- A prompt is a LongTensor [B, P] that starts with BOS; an answer is a LongTensor [B, L] of answer tokens.
+- A reward function maps `(prompts, answers)` to a FloatTensor [B]. The gymnasium environment and the
+  trainer call the same function, so what the agent is trained on is what the environment pays.
+- Answers are short and the vocabulary tiny, so every answer can be enumerated (n_actions ** L of
+  them): exact sequence-level quantities (KL, expected reward) need one batched forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def tiny_policy(n_actions: int, max_len: int, n_embd: int = 32, n_layer: int = 1, n_head: int = 2) -> nn.Module:
+    """A GPT-2 with `n_actions + 1` token ids (the last is BOS/EOS), no dropout, random init (seeded by torch)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    special = n_actions
+    config = GPT2Config(
+        vocab_size=n_actions + 1,
+        n_positions=max_len,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        bos_token_id=special,
+        eos_token_id=special,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def bos_prompts(model: nn.Module, n: int) -> torch.Tensor:
+    """n prompts made of the BOS token alone: LongTensor [n, 1]."""
+    return torch.full((n, 1), model.config.bos_token_id, dtype=torch.long)
+
+
+def answer_logits(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor, n_actions: int) -> torch.Tensor:
+    """Logits [B, L, n_actions] of each answer token given the prompt and the answer tokens before it.
+
+    One forward over `prompts ++ answers[:, :-1]`; position P - 1 + t predicts answer token t.
+    """
+    inputs = torch.cat([prompts, answers[:, :-1]], dim=1)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return logits[:, prompts.shape[1] - 1 :, :n_actions]
+
+
+@torch.no_grad()
+def sample_answers(
+    model: nn.Module, prompts: torch.Tensor, length: int, n_actions: int, rng: np.random.Generator
+) -> torch.Tensor:
+    """Ancestral sampling of `length` answer tokens per prompt: LongTensor [B, length].
+
+    Randomness comes only from `rng` (inverse-CDF sampling with its uniforms), so a run that holds its
+    own numpy Generator is reproducible and branches cleanly under `copy.deepcopy`.
+    """
+    seq = prompts
+    for _ in range(length):
+        logits = model(input_ids=seq, use_cache=False).logits[:, -1, :n_actions]
+        cdf = torch.softmax(logits.double(), dim=-1).cumsum(-1)
+        u = torch.from_numpy(rng.random(len(seq)))[:, None] * cdf[:, -1:]
+        token = (cdf < u).sum(-1).clamp_max(n_actions - 1)
+        seq = torch.cat([seq, token[:, None]], dim=1)
+    return seq[:, prompts.shape[1] :]
+
+
+def answer_mask(answers: torch.Tensor, eos_id: int | None = None) -> torch.Tensor:
+    """1.0 on the tokens of each answer up to and including its first `eos_id`, 0.0 after (all ones if None)."""
+    if eos_id is None:
+        return torch.ones(answers.shape, dtype=torch.float32)
+    is_eos = (answers == eos_id).long()
+    after_eos = (is_eos.cumsum(1) - is_eos) > 0
+    return (~after_eos).float()
+
+
+def enumerate_answers(n_actions: int, length: int) -> torch.Tensor:
+    """Every answer, LongTensor [n_actions ** length, length], in `itertools.product` order (last token fastest)."""
+    rows = list(itertools.product(range(n_actions), repeat=length))
+    return torch.tensor(rows, dtype=torch.long).reshape(len(rows), length)
+
+
+def prefix_logp(model: nn.Module, prompt: torch.Tensor, length: int, n_actions: int) -> torch.Tensor:
+    """Next-token log-probs after every prefix: [n_actions ** (length - 1), length, n_actions].
+
+    Row i is the i-th answer prefix of length `length - 1` (`enumerate_answers` order); entry [i, t] is the
+    distribution of answer token t given the prompt and the first t tokens of that prefix. One forward.
+    """
+    prefixes = enumerate_answers(n_actions, length - 1)
+    prompts = prompt.reshape(1, -1).expand(len(prefixes), -1)
+    # answer_logits drops the last answer token; pad the prefixes with a dummy last token.
+    dummy = torch.zeros(len(prefixes), 1, dtype=torch.long)
+    logits = answer_logits(model, prompts, torch.cat([prefixes, dummy], dim=1), n_actions)
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def all_answers_logp(prefix_lp: torch.Tensor) -> torch.Tensor:
+    """log pi(answer) for every answer, [n_actions ** length] in `enumerate_answers` order, from `prefix_logp`."""
+    n_prefix, length, n_actions = prefix_lp.shape
+    prefixes = enumerate_answers(n_actions, length - 1)
+    head = prefix_lp[:, : length - 1].gather(-1, prefixes[..., None]).squeeze(-1).sum(-1)
+    return (head[:, None] + prefix_lp[:, -1]).reshape(-1)
+
+
+def exact_sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> float:
+    """KL(pi || ref) = sum_x pi(x) (log pi(x) - log ref(x)) over all enumerated answers."""
+    return float((logp.exp() * (logp - ref_logp)).sum())
+
+
+class AnswerEnv(gym.Env):
+    """Write an answer one token at a time; the reward function scores the whole answer at the end.
+
+    Observation: the answer so far, padded to `length` with the special token id `n_actions`.
+    Action: the next answer token. Reward: 0 until the last token, then `reward_fn(prompt, answer)`.
+    The prompt is the BOS token alone.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, reward_fn: RewardFn, n_actions: int, length: int) -> None:
+        self.reward_fn, self.n_actions, self.length = reward_fn, n_actions, length
+        self.observation_space = gym.spaces.MultiDiscrete(np.full(length, n_actions + 1, dtype=np.int64))
+        self.action_space = gym.spaces.Discrete(n_actions)
+        self._tokens: list[int] = []
+
+    def _obs(self) -> np.ndarray:
+        obs = np.full(self.length, self.n_actions, dtype=np.int64)
+        obs[: len(self._tokens)] = self._tokens
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self._tokens = []
+        return self._obs(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is not an answer token in 0..{self.n_actions - 1}")
+        if len(self._tokens) >= self.length:
+            raise RuntimeError("the answer is complete; call reset()")
+        self._tokens.append(int(action))
+        done = len(self._tokens) == self.length
+        reward = 0.0
+        if done:
+            prompt = torch.full((1, 1), self.n_actions, dtype=torch.long)
+            reward = float(self.reward_fn(prompt, torch.tensor([self._tokens], dtype=torch.long))[0])
+        return self._obs(), reward, done, False, {}
