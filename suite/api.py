@@ -198,6 +198,9 @@ class Task:
     diagnostics: ClassVar[tuple[str, ...]]  # diagnostic columns every row carries
     return_floor: ClassVar[float]  # fixed per task and version: normalized return 0 ...
     return_ceiling: ClassVar[float]  # ... and 1
+    # The detector track's window: a detection counts only within this share of the post-onset horizon
+    # after onset (set from how fast the task's failure measurably develops; later alarms are misses).
+    detection_window: ClassVar[float] = 0.25
     experimental: ClassVar[bool] = False
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> Run:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def layer_groups(model: nn.Module) -> "OrderedDict[str, list[nn.Parameter]]":
+def layer_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:
     """The model's parameters grouped by the module that owns them, in registration order.
 
     A "layer" is any module with parameters of its own (a Linear, a LayerNorm, an Embedding).
@@ -145,4 +145,26 @@ def kl_estimator_means(state: TrainState) -> dict[str, float]:
     full = state.extras.get("full_vocab_kl")
     row["kl_full_vocab"] = float((full * mask).sum() / n) if full is not None else math.nan
     row["kl_k2_over_k3"] = row["kl_k2"] / row["kl_k3"] if row["kl_k3"] > 0 else math.nan
+    return row
+
+
+@diagnostic("spectrum")
+def spectrum(state: TrainState) -> dict[str, float]:
+    """Effective rank and normalized singular values of a fixed batch's features, `extras["features"]`.
+
+    `features` is batch x units (a task stores its penultimate features on a fixed held-out batch there).
+    Columns: `effective_rank` and `sv/00`..`sv/15`, the singular values divided by their sum, largest first
+    (0 past the matrix's smaller side); all NaN when no features were stored or they are all zero.
+    """
+    z = state.extras.get("features")
+    names = [f"sv/{i:02d}" for i in range(SPECTRUM_COLUMNS)]
+    if z is None:
+        return {"effective_rank": math.nan, **dict.fromkeys(names, math.nan)}
+    s = torch.linalg.svdvals(z.detach().double())
+    total = s.sum()
+    if total <= 0 or not torch.isfinite(total):
+        return {"effective_rank": math.nan, **dict.fromkeys(names, math.nan)}
+    p = (s / total).tolist()
+    row = {name: p[i] if i < len(p) else 0.0 for i, name in enumerate(names)}
+    row["effective_rank"] = effective_rank(z)
     return row

@@ -16,9 +16,10 @@ Stabilizer track, per task and method:
 Detector track, per task and detector, on the baseline method's runs (after the Numenta Anomaly
 Benchmark's scoring, standard profile A_TP = 1, A_FN = 1, A_FP = 0.11):
 - an alarm event is a row whose alarm is raised when the previous row's was not;
-- a failing injected run (its ground truth crossed) is detected by its first alarm event at or after
-  onset; at relative position y = latency / post-onset horizon - 1 in [-1, 0] it earns
-  A_TP * (2 / (1 + e^(5y)) - 1); a miss costs A_FN and its latency counts as the whole horizon;
+- a failing injected run (its ground truth crossed) is detected by its first alarm event inside the
+  detection window [onset, onset + W), W = the task's `detection_window` share of the post-onset horizon;
+  at relative position y = latency / W - 1 in [-1, 0) it earns A_TP * (2 / (1 + e^(5y)) - 1); a miss
+  (no alarm event in the window) costs A_FN and its latency counts as the whole post-onset horizon;
 - every alarm event before onset, and every alarm event on a control run, is a false alarm costing A_FP;
 - score = 100 (S - S_never) / (S_oracle - S_never), clipped to [0, 100], where S_never = -A_FN x failures
   (no alarm) and S_oracle alarms exactly at onset on every failing run. An alarm held from before onset
@@ -223,6 +224,7 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
         for (seed, variant), run in task_rows.groupby(["seed", "variant"], sort=True):
             run = run.sort_values("iteration")
             onset, horizon = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
+            window = max(1, math.ceil(task.detection_window * (horizon - onset)))
             it = run["iteration"].to_numpy()
             steps = run["step"].to_numpy(float)
             before = steps[it == onset - 1]
@@ -255,11 +257,12 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
                     "negative_iterations": int(negative.sum()),
                 }
                 if failure:
-                    hits = np.flatnonzero(events & (it >= onset))
+                    hits = np.flatnonzero(events & (it >= onset) & (it < onset + window))
                     if len(hits):
-                        frac = (it[hits[0]] - onset) / (horizon - onset)
-                        row.update(detected=True, latency_frac=frac, latency_steps=float(steps[hits[0]]) - start)
-                        row["s"] += NAB["tp"] * _nab_reward(frac - 1.0)
+                        latency = it[hits[0]] - onset
+                        row.update(detected=True, latency_frac=latency / (horizon - onset),
+                                   latency_steps=float(steps[hits[0]]) - start)
+                        row["s"] += NAB["tp"] * _nab_reward(latency / window - 1.0)
                     else:
                         row.update(latency_frac=1.0, latency_steps=float(np.nanmax(steps)) - start)
                         row["s"] -= NAB["fn"]

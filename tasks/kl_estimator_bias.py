@@ -249,6 +249,8 @@ class KLEstimatorBias(Task):
     # Exact values from `regularized_bounds()` (checked by tests/test_token_family.py); fixed per task version.
     return_floor = -8.11502484800181  # regularized_bounds(); a test checks both
     return_ceiling = 0.0038253907880525517
+    # Quick-tier crossings come 14-30 iterations after onset: a window of 30 of the 100 covers them all.
+    detection_window = 0.3
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> KLEstimatorBiasRun:
         return KLEstimatorBiasRun(self.budget(tier), seed, stabilizer, self.diagnostics)

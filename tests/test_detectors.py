@@ -69,13 +69,15 @@ def _table(alarms_injected, alarms_control, failed=True, onset=4, n=10):
 def test_detector_score_anchors_and_false_alarm_rules():
     none = [False] * 10
     at_onset = [False] * 4 + [True] * 6
-    late = [False] * 9 + [True]
+    late = [False] * 5 + [True] * 5  # inside the window [4, 6): the toy's window is 0.25 x 6 post-onset rows
+    too_late = [False] * 9 + [True]  # after the window: a miss
     held = [True] * 10
     score = lambda inj, ctl: {r["detector"]: r for r in scoring.detector_track(_table(inj, ctl))}  # noqa: E731
     assert score(at_onset, none)["d"]["score"] == pytest.approx(100.0)
     assert score(at_onset, none)["oracle"]["score"] == pytest.approx(100.0)
     assert score(none, none)["d"]["score"] == 0.0
     assert 0 < score(late, none)["d"]["score"] < score(at_onset, none)["d"]["score"]
+    assert score(too_late, none)["d"]["score"] == 0.0 and score(too_late, none)["d"]["detection_rate"] == 0.0
     held_score = score(held, held)["d"]
     assert held_score["score"] == 0.0 and held_score["detection_rate"] == 0.0  # held from before onset: no detection
     assert held_score["false_alarms_per_1k"] == pytest.approx(1000 * (4 + 10) / (4 + 10))
