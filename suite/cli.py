@@ -107,6 +107,8 @@ def cmd_score(args: argparse.Namespace) -> int:
     result = scoring.score(_load_table(args.dir))
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=True))
+    elif args.markdown:
+        print(scoring.format_markdown(result))
     else:
         print(scoring.format_table(result))
     return 0
@@ -172,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("score", help="score a finished run folder")
     p.add_argument("dir", help="the --out folder of a `stabench run`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.set_defaults(fn=cmd_score)
 
     board = "results/leaderboard.csv"

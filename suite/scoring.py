@@ -320,6 +320,34 @@ def score(table: pd.DataFrame) -> dict:
     }
 
 
+def format_markdown(result: dict) -> str:
+    """The score tables as Markdown (for `results/calibration.md` and the paper)."""
+
+    def table(rows: list[dict], columns: list[str]) -> str:
+        def cell(v: object) -> str:
+            return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+        return "\n".join(lines)
+
+    stab = [{**r, "normalized return [95% CI]": f"{r['normalized_return']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"}
+            for r in result["stabilizer_track"]]
+    parts = ["### Stabilizer track", "", table(stab, ["task", "method", "role", "failure_rate", "control_failure_rate",
+                                                     "normalized return [95% CI]", "drawdown", "n_seeds"])]
+    agg = [{**r, "IQM [95% CI]": f"{r['iqm']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
+            "P(improve) [95% CI]": (f"{r['probability_of_improvement']:.2f} [{r['poi_ci_low']:.2f}, "
+                                    f"{r['poi_ci_high']:.2f}]") if "probability_of_improvement" in r else "-"}
+           for r in result.get("aggregate", [])]
+    if agg:
+        parts += ["", "### Across tasks", "", table(agg, ["method", "n_tasks", "IQM [95% CI]", "P(improve) [95% CI]"])]
+    det = result.get("detector_track", [])
+    if det:
+        parts += ["", "### Detector track", "", table(det, ["task", "detector", "diagnostic", "detection_rate",
+                                                            "median_latency_frac", "false_alarms_per_1k", "score"])]
+    return "\n".join(parts) + "\n"
+
+
 def format_table(result: dict) -> str:
     """The human-readable form of `score`: three tables."""
     parts = []
