@@ -141,8 +141,90 @@ def method_name(ref: str) -> str:
     return name
 
 
+class PluginError(Exception):
+    """A stabilizer hook raised, returned the wrong type, or produced non-finite values."""
+
+
+class Guarded(Stabilizer):
+    """Wraps a stabilizer so that a failure names it and the hook where it happened.
+
+    A hook that raises, returns the wrong type or shape, or turns finite values into non-finite ones
+    raises `PluginError("<name>.<hook>: ...")`; the runner records the run as diverged with that text.
+    """
+
+    def __init__(self, inner: Stabilizer) -> None:
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.trainers = inner.trainers  # type: ignore[misc]
+
+    def _call(self, hook: str, *args: Any) -> Any:
+        try:
+            return getattr(self.inner, hook)(*args)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"{self.name}.{hook} raised {type(exc).__name__}: {exc}") from exc
+
+    def _tensor_like(self, hook: str, before: Any, after: Any) -> Any:
+        import torch
+
+        if not isinstance(after, torch.Tensor):
+            raise PluginError(f"{self.name}.{hook} returned {type(after).__name__}, expected a torch.Tensor")
+        if after.shape != before.shape:
+            raise PluginError(f"{self.name}.{hook} returned shape {tuple(after.shape)}, expected {tuple(before.shape)}")
+        if bool(torch.isfinite(before).all()) and not bool(torch.isfinite(after).all()):
+            raise PluginError(f"{self.name}.{hook} produced non-finite values")
+        return after
+
+    def model(self, model: Any, spec: Any) -> Any:
+        from torch import nn
+
+        out = self._call("model", model, spec)
+        if not isinstance(out, nn.Module):
+            raise PluginError(f"{self.name}.model returned {type(out).__name__}, expected a torch.nn.Module")
+        return out
+
+    def optimizer(self, optimizer: Any, model: Any) -> Any:
+        import torch
+
+        out = self._call("optimizer", optimizer, model)
+        if not isinstance(out, torch.optim.Optimizer):
+            raise PluginError(f"{self.name}.optimizer returned {type(out).__name__}, expected a torch Optimizer")
+        return out
+
+    def advantages(self, advantages: Any, batch: Any) -> Any:
+        return self._tensor_like("advantages", advantages, self._call("advantages", advantages, batch))
+
+    def kl_loss(self, per_token_kl: Any, batch: Any) -> Any:
+        return self._tensor_like("kl_loss", per_token_kl, self._call("kl_loss", per_token_kl, batch))
+
+    def loss(self, terms: Any, batch: Any) -> Any:
+        import torch
+
+        out = self._call("loss", dict(terms), batch)
+        if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
+            raise PluginError(f"{self.name}.loss returned {type(out).__name__}, expected a dict of tensors")
+        for key, value in out.items():
+            was_finite = key not in terms or bool(torch.isfinite(terms[key]).all())
+            if was_finite and not bool(torch.isfinite(value).all()):
+                raise PluginError(f"{self.name}.loss produced a non-finite term {key!r}")
+        return out
+
+    def after_backward(self, model: Any) -> None:
+        self._call("after_backward", model)
+
+    def applies_to(self, trainer: str) -> bool:
+        return self.inner.applies_to(trainer)
+
+    def __getattr__(self, attribute: str) -> Any:
+        """Anything else a trainer reads of its stabilizer comes from the plugin itself."""
+        if attribute == "inner":  # not set yet (copying): no recursion
+            raise AttributeError(attribute)
+        return getattr(self.inner, attribute)
+
+
 def make_stabilizer(ref: str) -> Stabilizer:
-    return resolve_class("stabilizer", ref)()
+    return Guarded(resolve_class("stabilizer", ref)())
 
 
 def make_detector(ref: str, task: Task, budget: Budget) -> Detector:

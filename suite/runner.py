@@ -165,9 +165,9 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
             try:
                 row = run.step(injected)
             except Exception as exc:  # Diverged, or a hook or plugin that raised: a result, not a crash
-                what = str(exc) if isinstance(exc, Diverged) else f"{type(exc).__name__}: {exc}"
+                what = str(exc) if isinstance(exc, (Diverged, registry.PluginError)) else f"{type(exc).__name__}: {exc}"
                 rows.append({"iteration": it, "diverged_at": it})  # marks where it stopped
-                return "diverged", f"{getattr(stabilizer, 'name', spec.method)} at iteration {it}: {what}"
+                return "diverged", f"{stabilizer.name} at iteration {it}: {what}"
             row["iteration"] = it
             rows.append(row)
             if on_progress and (it + 1) % budget.report_every == 0:

@@ -47,7 +47,11 @@ def test_same_seed_same_rows_and_other_seed_other_rows():
 
 @pytest.mark.parametrize(
     ("plugin", "message"),
-    [("Raising", "raising at iteration 0: RuntimeError: boom"), ("NaNLoss", "nan-loss at iteration 0: loss nan")],
+    [
+        ("Raising", "raising at iteration 0: raising.advantages raised RuntimeError: boom"),
+        ("NaNLoss", "nan-loss at iteration 0: nan-loss.loss produced a non-finite term 'bad'"),
+        ("WrongType", "wrong-type at iteration 0: wrong-type.advantages returned list, expected a torch.Tensor"),
+    ],
 )
 def test_a_failing_plugin_is_a_diverged_run_named_by_plugin(plugin, message):
     table = toy_trial(f"{TOY}:{plugin}")

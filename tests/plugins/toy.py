@@ -97,5 +97,12 @@ class NaNLoss(Stabilizer):
         return {**terms, "bad": torch.tensor(float("nan"))}
 
 
+class WrongType(Stabilizer):
+    name = "wrong-type"
+
+    def advantages(self, advantages, batch):
+        return advantages.tolist()
+
+
 class NotAStabilizer:
     name = "not-a-stabilizer"
