@@ -16,33 +16,45 @@ from suite import registry
 
 pytestmark = pytest.mark.smoke
 
-TASKS = ("dead-layers", "kl-estimator-bias")
+ROOT = Path(__file__).resolve().parents[1]
+STABILIZER = f"{ROOT}/examples/my_stabilizer.py:AdvantageClip"
+DETECTOR = f"{ROOT}/examples/my_detector.py:JumpDetector"
+TASKS = tuple(n for n in registry.names("task") if not registry.get_task(n).experimental)
 
 
-def stabench(*argv, timeout=600):
+def stabench(*argv, timeout=900):
     return subprocess.run([sys.executable, "-m", "suite.cli", *argv], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def smoke_sweep(tmp_path_factory):
+    """The README's walk-through on the smoke tier: the default suite plus the two example plugins."""
     out = tmp_path_factory.mktemp("sweep") / "run"
-    proc = stabench("run", "--tier", "smoke", "--tasks", ",".join(TASKS), "--seeds", "2", "--out", str(out))
+    proc = stabench("run", "--tier", "smoke", "--seeds", "2", "--stabilizer", STABILIZER, "--detector", DETECTOR,
+                    "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
+
+
+def methods_of(task) -> set[str]:
+    extra = {"advantage-clip"} if registry.make_stabilizer(STABILIZER).applies_to(task.trainer) else set()
+    return set(task.methods) | extra
 
 
 def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
     out, proc = smoke_sweep
     table = pd.read_parquet(out / "metrics.parquet")
     for column in ("task", "method", "role", "variant", "seed", "iteration", "step", "return", "entropy",
-                   "phase", "status", "alarm/threshold", "suite_version", "task_version", "config_hash"):
+                   "phase", "status", "alarm/threshold", "alarm/cusum", "alarm/jump", "suite_version",
+                   "task_version", "config_hash"):
         assert column in table, column
+    assert set(table.task) == {registry.get_task(t).id for t in TASKS}
     for task_id in TASKS:
         task = registry.get_task(task_id)
         budget = task.budget("smoke")
-        rows = table[table.task == task_id]
-        assert set(rows.method) == set(task.methods)
-        assert len(rows) == len(task.methods) * 2 * 2 * budget.iterations  # methods x seeds x variants x its
+        rows = table[table.task == task.id]
+        assert set(rows.method) == methods_of(task)
+        assert len(rows) == len(methods_of(task)) * 2 * 2 * budget.iterations  # methods x seeds x variants x its
         assert task.ground_truth.metric in rows
         columns = {"grad_norms": "grad_norm_total", "kl_estimators": "kl_k3", "dormant": "dormant_share"}
         for diagnostic, column in columns.items():
@@ -50,14 +62,16 @@ def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
                 assert rows[column].notna().any(), column
         assert rows.entropy.notna().all()
     trials = pd.read_csv(out / "trials.csv")
-    assert len(trials) == sum(len(registry.get_task(t).methods) * 2 for t in TASKS)
+    assert len(trials) == sum(len(methods_of(registry.get_task(t))) * 2 for t in TASKS)
+    assert (trials.status == "ok").all(), trials[trials.status != "ok"]
     assert "trials on a private local Ray" in proc.stderr and f"[{len(trials)}/{len(trials)}]" in proc.stderr
 
 
 def test_resume_of_a_finished_sweep_reruns_nothing_and_keeps_the_table(smoke_sweep):
     out, _ = smoke_sweep
     before = pd.read_parquet(out / "metrics.parquet")
-    proc = stabench("run", "--tier", "smoke", "--tasks", ",".join(TASKS), "--seeds", "2", "--out", str(out), "--resume")
+    proc = stabench("run", "--tier", "smoke", "--seeds", "2", "--stabilizer", STABILIZER, "--detector", DETECTOR,
+                    "--out", str(out), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming" in proc.stderr
     pd.testing.assert_frame_equal(before, pd.read_parquet(out / "metrics.parquet"))
@@ -65,11 +79,25 @@ def test_resume_of_a_finished_sweep_reruns_nothing_and_keeps_the_table(smoke_swe
     assert other.returncode == 2 and "holds a different experiment" in other.stderr
 
 
-def test_score_reads_the_sweep(smoke_sweep):
+def test_walkthrough_score_submit_verify_leaderboard(smoke_sweep, tmp_path):
     out, _ = smoke_sweep
     proc = stabench("score", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert all(t in proc.stdout for t in TASKS) and "matched-fix" in proc.stdout
+    assert "advantage-clip" in proc.stdout and "jump" in proc.stdout and "matched-fix" in proc.stdout
+    board = tmp_path / "leaderboard.csv"
+    proc = stabench("submit", str(out), "--method", "advantage-clip", "--detector", "jump", "--leaderboard", str(board))
+    assert proc.returncode == 0, proc.stderr
+    rows = pd.read_csv(board)
+    assert list(rows.name) == ["advantage-clip", "jump"] and list(rows.track) == ["stabilizer", "detector"]
+    assert (rows.tier == "smoke").all() and (rows.n_seeds == 2).all()
+    assert (tmp_path / "LEADERBOARD.md").read_text().count("advantage-clip") == 1
+    before = board.read_bytes()
+    again = stabench("submit", str(out), "--method", "advantage-clip", "--leaderboard", str(board))
+    assert again.returncode == 2 and "duplicate" in again.stderr and board.read_bytes() == before
+    check = stabench("verify", str(out), "--leaderboard", str(board))
+    assert check.returncode == 0 and "0 mismatches" in check.stdout, check.stdout + check.stderr
+    shown = stabench("leaderboard", "--leaderboard", str(board))
+    assert shown.returncode == 0 and "advantage-clip" in shown.stdout
 
 
 def _free_port() -> int:
