@@ -425,8 +425,12 @@ def collect(results: Any, expected: list[TrialSpec]) -> tuple[pd.DataFrame, pd.D
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
         table = table.sort_values(["task", "method", "seed", "variant", "iteration"], kind="stable")
+        # a canonical column order, whatever order Tune returns trials in (a resumed sweep included)
         first = ["task", "method", "role", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
-        table = table[[c for c in first if c in table] + [c for c in table.columns if c not in first]]
+        last = ["status", "error", "diverged_at", "task_ref", "task_version", "family", "method_ref", "tier",
+                "onset_iteration", "iterations", "suite_version", "config_hash"]
+        middle = sorted(c for c in table.columns if c not in first and c not in last)
+        table = table[[c for c in first + middle + last if c in table]]
         table = table.reset_index(drop=True)
     return table, pd.DataFrame(rows)
 

@@ -64,7 +64,7 @@ def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
     trials = pd.read_csv(out / "trials.csv")
     assert len(trials) == sum(len(methods_of(registry.get_task(t))) * 2 for t in TASKS)
     assert (trials.status == "ok").all(), trials[trials.status != "ok"]
-    assert "trials on a private local Ray" in proc.stderr and f"[{len(trials)}/{len(trials)}]" in proc.stderr
+    assert "trials on a private local Ray" in proc.stderr and f"{len(trials)}/{len(trials)}]" in proc.stderr
 
 
 def test_resume_of_a_finished_sweep_reruns_nothing_and_keeps_the_table(smoke_sweep):
