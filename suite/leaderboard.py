@@ -25,6 +25,7 @@ import json
 import math
 import os
 import subprocess
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -95,10 +96,12 @@ def _detector_aggregate(runs: pd.DataFrame) -> tuple[float, float, float]:
     value = float(statistic(*index))
     if all(len(i) < 2 for i in index):
         return value, value, value
-    res = stats.bootstrap(
-        tuple(index), statistic, n_resamples=scoring.BOOTSTRAP_RESAMPLES // 5, method="percentile",
-        vectorized=True, rng=np.random.default_rng(scoring.BOOTSTRAP_SEED),
-    )
+    with warnings.catch_warnings():  # a degenerate resample gives a NaN interval: missing, said so
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            tuple(index), statistic, n_resamples=scoring.BOOTSTRAP_RESAMPLES // 5, method="percentile",
+            vectorized=True, rng=np.random.default_rng(scoring.BOOTSTRAP_SEED),
+        )
     return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

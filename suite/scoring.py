@@ -29,6 +29,7 @@ Benchmark's scoring, standard profile A_TP = 1, A_FN = 1, A_FP = 0.11):
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -111,14 +112,16 @@ def bootstrap_mean_ci(values: np.ndarray, confidence: float = 0.95) -> tuple[flo
         return math.nan, math.nan
     if len(values) == 1 or np.all(values == values[0]):
         return float(values[0]), float(values[0])
-    res = stats.bootstrap(
-        (values,),
-        np.mean,
-        confidence_level=confidence,
-        n_resamples=BOOTSTRAP_RESAMPLES,
-        method="percentile",
-        rng=np.random.default_rng(BOOTSTRAP_SEED),
-    )
+    with warnings.catch_warnings():  # a degenerate resample gives a NaN interval: missing, said so
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            (values,),
+            np.mean,
+            confidence_level=confidence,
+            n_resamples=BOOTSTRAP_RESAMPLES,
+            method="percentile",
+            rng=np.random.default_rng(BOOTSTRAP_SEED),
+        )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -169,14 +172,16 @@ def _stratified_ci(statistic, samples: list[np.ndarray]) -> tuple[float, float]:
     if all(len(s) < 2 or np.all(s == s[0]) for s in samples):
         value = float(statistic(*samples))
         return value, value
-    res = stats.bootstrap(
-        tuple(samples),
-        statistic,
-        n_resamples=BOOTSTRAP_RESAMPLES // 5,
-        method="percentile",
-        vectorized=True,
-        rng=np.random.default_rng(BOOTSTRAP_SEED),
-    )
+    with warnings.catch_warnings():  # a degenerate resample gives a NaN interval: missing, said so
+        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+        res = stats.bootstrap(
+            tuple(samples),
+            statistic,
+            n_resamples=BOOTSTRAP_RESAMPLES // 5,
+            method="percentile",
+            vectorized=True,
+            rng=np.random.default_rng(BOOTSTRAP_SEED),
+        )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

@@ -143,3 +143,102 @@ def test_run_on_a_ray_cluster_started_with_ray_start_head(tmp_path):
                 except OSError:
                     pass
         subprocess.run(["rm", "-rf", str(temp)], check=False)
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    """The CLI in this process (the leaderboard commands start no Ray, so this is safe and fast)."""
+    from suite.cli import main
+
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _copy_run(out: Path, dest: Path) -> Path:
+    dest.mkdir()
+    for name in ("metrics.parquet", "manifest.json", "trials.csv"):
+        (dest / name).write_bytes((out / name).read_bytes())
+    return dest
+
+
+def _spoil(kind: str, run: Path) -> None:
+    import json
+
+    if kind == "incomplete grid":
+        table = pd.read_parquet(run / "metrics.parquet")
+        table[table.task != table.task.iloc[0]].to_parquet(run / "metrics.parquet")
+    elif kind == "wrong version":
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["suite_version"] = "0.0.1"
+        (run / "manifest.json").write_text(json.dumps(manifest))
+    elif kind == "lost trial":
+        trials = pd.read_csv(run / "trials.csv")
+        trials.loc[0, "status"] = "error"
+        trials.to_csv(run / "trials.csv", index=False)
+    elif kind == "missing iterations":
+        table = pd.read_parquet(run / "metrics.parquet")
+        table.drop(index=table.index[3]).to_parquet(run / "metrics.parquet")
+    elif kind == "not a run":
+        (run / "trials.csv").unlink()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("incomplete grid", "incomplete grid for tier smoke"),
+        ("wrong version", "made by suite version 0.0.1"),
+        ("lost trial", "trials did not finish"),
+        ("missing iterations", "iterations are missing"),
+        ("not a run", "is not a finished run: trials.csv is missing"),
+    ],
+)
+def test_bad_submissions_leave_the_leaderboard_byte_identical(smoke_sweep, tmp_path, capsys, kind, message):
+    out, _ = smoke_sweep
+    board = tmp_path / "leaderboard.csv"
+    assert cli(capsys, "submit", str(out), "--detector", "never", "--leaderboard", str(board))[0] == 0
+    before = board.read_bytes()
+    run = _copy_run(out, tmp_path / "bad")
+    _spoil(kind, run)
+    code, _, err = cli(capsys, "submit", str(run), "--leaderboard", str(board))
+    assert code == 2 and message in err, err
+    assert err.count("\n") == 1
+    assert board.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda text: text.replace(",never,", ",nevermind,", 1), "tampered row: line 2 (detector nevermind)"),
+        (lambda text: text[: len(text) // 2], "is corrupt"),
+        (lambda text: "name,score\nx,1\n", "is corrupt: its header is not the leaderboard's"),
+    ],
+)
+def test_a_corrupt_or_tampered_leaderboard_refuses_submissions(smoke_sweep, tmp_path, capsys, edit, message):
+    out, _ = smoke_sweep
+    board = tmp_path / "leaderboard.csv"
+    assert cli(capsys, "submit", str(out), "--detector", "never", "--leaderboard", str(board))[0] == 0
+    board.write_text(edit(board.read_text()))
+    before = board.read_bytes()
+    code, _, err = cli(capsys, "submit", str(out), "--detector", "always", "--leaderboard", str(board))
+    assert code == 2 and message in err, err
+    assert board.read_bytes() == before
+    code, _, err = cli(capsys, "verify", "--leaderboard", str(board))
+    assert code == 2 and message in err
+
+
+def test_eight_concurrent_submissions_all_land(smoke_sweep, tmp_path):
+    out, _ = smoke_sweep
+    board = tmp_path / "leaderboard.csv"
+    detectors = ["threshold", "calibrated-threshold", "cusum", "page-hinkley", "never", "always", "random", "jump"]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "suite.cli", "submit", str(out), "--detector", d, "--leaderboard",
+                          str(board)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for d in detectors
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    rows = pd.read_csv(board)
+    assert sorted(rows.name) == sorted(detectors)
+    assert stabench("verify", str(out), "--leaderboard", str(board)).returncode == 0
