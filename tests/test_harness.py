@@ -145,3 +145,33 @@ def test_effective_rank_and_dormant_share_on_constructed_cases():
     acts = torch.ones(10, 4)
     acts[:, 0] = 0.0  # one unit never fires
     assert dormant_share(acts) == 0.25
+
+
+def test_a_no_op_stabilizer_lands_in_the_baseline_interval_and_self_improvement_is_one_half():
+    runs = [toy_trial(m, s) for m in ("baseline", f"{TOY}:NoOp", f"{TOY}:ToyFix") for s in range(4)]
+    table = pd.concat(runs)
+    per_run = scoring.outcomes(table)
+    track = {r["method"]: r for r in scoring.stabilizer_track(table, per_run)}
+    base, noop = track["baseline"], track["no-op"]
+    assert base["ci_low"] <= noop["normalized_return"] <= base["ci_high"]
+    assert noop["failure_rate"] == base["failure_rate"]
+    agg = {r["method"]: r for r in scoring.aggregate(per_run)}
+    assert agg["no-op"]["probability_of_improvement"] == pytest.approx(0.5)
+    assert agg["baseline"]["probability_of_improvement"] == pytest.approx(0.5)
+    assert agg["toy-fix"]["probability_of_improvement"] == 1.0
+
+
+def test_probability_of_improvement_of_a_method_against_a_copy_of_itself_is_one_half_within_noise():
+    """Two methods drawn from the same distribution, 20 times: the estimate centres on 0.5 and its 95%
+    stratified interval covers 0.5 in most draws."""
+    rng = np.random.default_rng(0)
+    estimates, covered = [], 0
+    for _ in range(20):
+        rows = [{"task": t, "method": m, "seed": s, "variant": "injected", "normalized_return": rng.normal(0.5, 0.1)}
+                for t in ("a", "b", "c") for m in ("x", "baseline") for s in range(10)]
+        x = {r["method"]: r for r in scoring.aggregate(pd.DataFrame(rows))}["x"]
+        estimates.append(x["probability_of_improvement"])
+        covered += x["poi_ci_low"] <= 0.5 <= x["poi_ci_high"]
+        assert x["ci_low"] < x["iqm"] < x["ci_high"] and x["n_tasks"] == 3
+    assert abs(np.mean(estimates) - 0.5) < 0.05
+    assert covered >= 17

@@ -106,3 +106,15 @@ class WrongType(Stabilizer):
 
 class NotAStabilizer:
     name = "not-a-stabilizer"
+
+
+class NoOp(Stabilizer):
+    """Every hook returns what it was given: a method that must score as the baseline does."""
+
+    name = "no-op"
+
+    def advantages(self, advantages, batch):
+        return advantages
+
+    def loss(self, terms, batch):
+        return dict(terms)
