@@ -1,6 +1,7 @@
 """The harness on a toy task whose behaviour is known: registries, branching, divergence, scoring."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -175,3 +176,21 @@ def test_probability_of_improvement_of_a_method_against_a_copy_of_itself_is_one_
         assert x["ci_low"] < x["iqm"] < x["ci_high"] and x["n_tasks"] == 3
     assert abs(np.mean(estimates) - 0.5) < 0.05
     assert covered >= 17
+
+
+def test_an_installed_package_entry_point_is_found_by_name(tmp_path, monkeypatch):
+    """A package that declares `stabench.stabilizers` and `stabench.tasks` entry points is usable by name."""
+    (tmp_path / "outside_fix.py").write_text(
+        "from suite.api import Stabilizer\n\nclass OutsideFix(Stabilizer):\n    name = 'outside-fix'\n"
+    )
+    dist = tmp_path / "outside_fix-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: outside-fix\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[stabench.stabilizers]\noutside-fix = outside_fix:OutsideFix\n\n[stabench.tasks]\ntoy-task = toy:ToyTask\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(Path(TOY).parent))
+    assert "outside-fix" in registry.names("stabilizer") and "toy-task" in registry.names("task")
+    assert registry.make_stabilizer("outside-fix").name == "outside-fix"
+    assert registry.get_task("toy-task").id == "toy"
