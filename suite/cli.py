@@ -151,6 +151,23 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_paper(args: argparse.Namespace) -> int:
+    from suite import paper
+
+    dirs = [Path(d) for d in args.dirs] or [paper.DEFAULT_RESULTS]
+    if args.rerun:
+        from suite import registry, runner
+
+        tasks = tuple(n for n in registry.names("task") if not registry.get_task(n).experimental)
+        stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+        out = Path("results/runs") / f"paper-quick-{stamp}"
+        exp = runner.prepare(out, runner.ExperimentSpec(tier="quick", tasks=tasks), resume=False)
+        runner.execute(exp)
+        dirs = [out]
+    paper.build(dirs, Path(args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stabench", description="Controlled experiments for RL training stability.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -176,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.set_defaults(fn=cmd_score)
+
+    p = sub.add_parser("paper", help="rebuild the paper's figures, tables and text from raw results")
+    p.add_argument("dirs", nargs="*", help="run folders (default: the committed quick-tier results, results/quick)")
+    p.add_argument("--rerun", action="store_true", help="run the quick tier first and build from it")
+    p.add_argument("--out", default="paper", help="the paper folder (default: paper)")
+    p.set_defaults(fn=cmd_paper)
 
     board = "results/leaderboard.csv"
     p = sub.add_parser("submit", help="validate a finished run and append its rows to the leaderboard")

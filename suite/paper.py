@@ -1,0 +1,487 @@
+"""`stabench paper`: every figure and table of the paper, rebuilt from raw results.
+
+Inputs are run folders (their `metrics.parquet`); by default the committed quick-tier results in
+`results/quick/`. Outputs: `paper/figures/*.pdf|png`, `paper/tables/*.md|csv`, and `paper/paper.md`
+rendered from `paper/paper.template.md`, whose `{{table:NAME}}` and `{{value:NAME}}` placeholders are
+filled from the generated tables, so no number in the text is typed by hand. A figure whose task is not
+in the results is skipped with a line saying so, never drawn empty.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from suite import scoring
+from suite.api import StabenchError
+
+PAPER = Path("paper")
+DEFAULT_RESULTS = Path("results/quick")
+ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
+
+
+def _setup() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import seaborn as sns
+
+    sns.set_theme(style="whitegrid", palette="colorblind", context="paper", font_scale=1.1)
+
+
+def _save(fig, out: Path, name: str) -> list[Path]:
+    fig.tight_layout()
+    paths = []
+    for ext in ("pdf", "png"):
+        path = out / "figures" / f"{name}.{ext}"
+        fig.savefig(path, dpi=150)
+        paths.append(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return paths
+
+
+def _runs(table: pd.DataFrame, task: str) -> pd.DataFrame:
+    return table[table["task"] == task]
+
+
+def _onset(ax, rows: pd.DataFrame, x: str = "iteration") -> None:
+    first = rows[rows["phase"] == "post-onset"]
+    if len(first):
+        ax.axvline(first[x].min(), label="onset", **ONSET_STYLE)
+
+
+class Skip(Exception):
+    """A figure that cannot be drawn from these results; the reason is printed."""
+
+
+def _need(table: pd.DataFrame, task: str, *columns: str) -> pd.DataFrame:
+    rows = _runs(table, task)
+    if rows.empty:
+        raise Skip(f"task {task} is not in the results")
+    missing = [c for c in columns if c not in rows or rows[c].isna().all()]
+    if missing:
+        raise Skip(f"task {task} has no {', '.join(missing)} in the results")
+    return rows
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+
+MAP_DIAGNOSTICS = ("entropy", "grad_norm_total", "dormant_share", "kl_k1", "kl_k2_over_k3", "clip_frac",
+                   "behaviour_kl", "policy_churn", "effective_rank")
+
+
+def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Task x diagnostic: median detection latency (share of the post-onset horizon) of Page-Hinkley on
+    each diagnostic, both directions tried, replayed on the stored baseline runs; blank = not logged."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from suite import registry
+    from suite.detectors import PageHinkley, default_warmup
+
+    base = table[table["role"] == "baseline"]
+    if base.empty:
+        raise Skip("no baseline runs in the results")
+    per_run = scoring.outcomes(base)
+    failed = {(r.task, r.seed): r.failed for r in per_run[per_run["variant"] == "injected"].itertuples()}
+    cells = {}
+    for task_id, rows in base.groupby("task"):
+        task = registry.get_task(rows["task_ref"].iloc[0])
+        budget = task.budget(rows["tier"].iloc[0])
+        for metric in MAP_DIAGNOSTICS:
+            if metric not in rows or rows[metric].isna().all():
+                continue
+            best = math.nan
+            for above in (True, False):
+                lat = []
+                for seed, run in rows[rows["variant"] == "injected"].groupby("seed"):
+                    if not failed.get((task_id, seed)):
+                        continue
+                    det = PageHinkley(metric, default_warmup(budget), above=above)
+                    hits = [r["iteration"] for r in run.sort_values("iteration").to_dict("records")
+                            if det.update(r) and r["iteration"] >= budget.onset]
+                    lat.append((hits[0] - budget.onset) / (budget.iterations - budget.onset) if hits else 1.0)
+                if lat:
+                    best = np.nanmin([best, float(np.median(lat))])
+            cells[(task_id, metric)] = best
+    if not cells:
+        raise Skip("no failing baseline run to detect")
+    grid = pd.Series(cells).unstack()
+    grid = grid[[c for c in MAP_DIAGNOSTICS if c in grid]]
+    fig, ax = plt.subplots(figsize=(1.3 * grid.shape[1] + 4, 0.7 * grid.shape[0] + 2.5))
+    sns.heatmap(grid, annot=True, fmt=".2f", cmap="viridis_r", vmin=0, vmax=1, ax=ax,
+                cbar_kws={"label": "median latency (share of horizon)"})
+    ax.set_xlabel("diagnostic (Page-Hinkley on the baseline's injected runs)")
+    ax.set_ylabel("task")
+    ax.tick_params(axis="y", rotation=0)
+    ax.tick_params(axis="x", rotation=30)
+    ax.set_title("Failure-mode map: how soon each diagnostic sees each failure (1 = never)")
+    return _save(fig, out, "01_failure_mode_map")
+
+
+def fig_kl_estimators(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Estimated KL (k1, k2, k3, batch means per token) against the exact per-token KL (summed over the
+    vocabulary at the sampled prefixes), baseline and the matched fix."""
+    import matplotlib.pyplot as plt
+
+    rows = _need(table, "kl-estimator-bias", "kl_full_vocab", "kl_k1", "kl_k2", "kl_k3")
+    rows = rows[rows["variant"] == "injected"]
+    methods = [m for m in ("baseline", "kl-max") if m in set(rows["method"])]
+    fig, axes = plt.subplots(1, len(methods), figsize=(6 * len(methods), 4), sharey=True, squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        mine = rows[rows["method"] == method].groupby("iteration")
+        for column, label in (("kl_full_vocab", "exact (full vocabulary)"), ("kl_k1", "k1"), ("kl_k2", "k2"),
+                              ("kl_k3", "k3")):
+            mean = mine[column].mean()
+            ax.plot(mean.index, mean.values, label=label, linewidth=2.2 if column == "kl_full_vocab" else 1.2)
+        _onset(ax, rows)
+        ax.set_yscale("log")
+        ax.set_title(f"{method} (mean over seeds)")
+        ax.set_xlabel("iteration")
+    axes[0][0].set_ylabel("KL(policy || reference) per token [nats]")
+    axes[0][-1].legend(loc="upper left")
+    return _save(fig, out, "02_kl_estimators")
+
+
+def fig_grad_heatmap(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Per-layer gradient norm (layer x iteration), baseline seed 0, injected beside control."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = _need(table, "dead-layers", "grad_norm_total")
+    rows = rows[(rows["method"] == "baseline") & (rows["seed"] == rows["seed"].min())]
+    layers = sorted(c for c in rows.columns if c.startswith("grad_norm/") and rows[c].notna().any())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, variant in zip(axes, ("control", "injected")):
+        mine = rows[rows["variant"] == variant].set_index("iteration")[layers]
+        data = np.log10(mine.T.clip(lower=1e-8))
+        sns.heatmap(data, ax=ax, cmap="magma", vmin=-4, vmax=5,
+                    cbar_kws={"label": "log10 gradient norm"}, xticklabels=5)
+        onset = int(rows["onset_iteration"].iloc[0])
+        ax.axvline(onset, color="white", linestyle="--", linewidth=1.2)
+        ax.set_title(f"{variant}: onset (dashed) at iteration {onset}")
+        ax.set_xlabel("iteration")
+    axes[0].set_ylabel("layer (input to output)")
+    axes[0].set_yticklabels([c.split("/")[1] for c in layers], rotation=0)
+    return _save(fig, out, "03_layer_gradient_heatmap")
+
+
+def fig_spectrum(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Effective rank over time and the final singular-value spectrum, with and without the regularizer."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = _need(table, "representation-collapse", "effective_rank")
+    rows = rows[rows["variant"] == "injected"]
+    methods = [m for m in ("baseline", "isotropic-gaussian") if m in set(rows["method"])]
+    sv = sorted(c for c in rows.columns if c.startswith("sv/") and rows[c].notna().any())
+    fig, axes = plt.subplots(1, 2 if sv else 1, figsize=(12 if sv else 6, 4), squeeze=False)
+    sns.lineplot(rows[rows["method"].isin(methods)], x="iteration", y="effective_rank", hue="method",
+                 errorbar=("ci", 95), ax=axes[0][0])
+    _onset(axes[0][0], rows)
+    axes[0][0].set_ylabel("effective rank of the features")
+    axes[0][0].set_title("Effective rank (mean, 95% CI over seeds)")
+    if sv:
+        last = rows[rows["iteration"] == rows["iteration"].max()]
+        for method in methods:
+            spectrum = last[last["method"] == method][sv].mean()
+            axes[0][1].plot(range(1, len(sv) + 1), spectrum.values, marker="o", label=method)
+        axes[0][1].set_yscale("log")
+        axes[0][1].set_xlabel("singular value index")
+        axes[0][1].set_ylabel("normalized singular value")
+        axes[0][1].set_title("Spectrum at the last iteration")
+        axes[0][1].legend()
+    return _save(fig, out, "04_spectrum_effective_rank")
+
+
+def fig_pg_variance(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "missing-critic", "pg_variance")
+    return _lines(rows, "pg_variance", "policy-gradient variance across minibatches", out, "05_pg_variance",
+                  log=True)
+
+
+def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "length-explosion", "mean_length", "gold_accuracy")
+    return _lines(rows, "mean_length", "mean reasoning length [tokens]", out, "06_length_accuracy")
+
+
+def fig_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
+    """The staleness grid: return kept (injected / control) over envs x epochs, one panel per lag."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = _need(table, "parallel-staleness")
+    knobs = [c for c in ("knob_envs", "knob_epochs", "knob_lag") if c in rows]
+    if len(knobs) < 3 or rows[knobs].drop_duplicates().shape[0] < 2:
+        raise Skip("the results hold no staleness grid (run `stabench run --grid staleness`)")
+    kept = scoring.outcomes(rows)
+    meta = rows.groupby(["method", "seed"])[knobs].first().reset_index()
+    kept = kept.merge(meta, on=["method", "seed"])
+    pivot = kept.pivot_table(index=["method", "seed", *knobs], columns="variant", values="post_onset_return")
+    pivot["kept"] = pivot["injected"] / pivot["control"]
+    data = pivot.reset_index()
+    data = data[data["method"] == "baseline"]
+    lags = sorted(data["knob_lag"].unique())
+    fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), squeeze=False)
+    for ax, lag in zip(axes[0], lags):
+        grid = data[data["knob_lag"] == lag].pivot_table(index="knob_envs", columns="knob_epochs", values="kept")
+        sns.heatmap(grid, annot=True, fmt=".2f", cmap="viridis", vmin=0, vmax=1.2, ax=ax,
+                    cbar_kws={"label": "return kept (injected / control)"})
+        ax.set_title(f"lag {lag} updates")
+        ax.set_xlabel("epochs of reuse")
+        ax.set_ylabel("parallel environments")
+    return _save(fig, out, "07_staleness_grid")
+
+
+def fig_churn(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "policy-churn", "policy_churn")
+    return _lines(rows, "policy_churn", "policy churn on held-out states (share per update)", out, "08_policy_churn")
+
+
+def fig_entropy(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Policy entropy over training, baseline and matched fix, every task (the shared door of failures)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    tasks = sorted(table["task"].unique())
+    cols = min(3, len(tasks))
+    rows_n = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.5 * cols, 3.8 * rows_n), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        rows = table[(table["task"] == task) & (table["variant"] == "injected")
+                     & table["role"].isin(["baseline", "matched-fix"])]
+        sns.lineplot(rows, x="iteration", y="entropy", hue="method", errorbar=("ci", 95), ax=ax)
+        _onset(ax, rows)
+        ax.set_title(task)
+        ax.set_ylabel("policy entropy [nats]")
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.set_visible(False)
+    return _save(fig, out, "09_entropy")
+
+
+def fig_tool_ratios(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "rare-tool-states", "ratio_p99_tool", "ratio_p99_text")
+    return _lines(rows, "ratio_p99_tool", "importance-ratio p99 in tool states", out, "10_tool_ratio_tails")
+
+
+def fig_leaderboard(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Interquartile mean of normalized return per method with stratified bootstrap 95% intervals."""
+    import matplotlib.pyplot as plt
+
+    agg = pd.DataFrame(scoring.aggregate(scoring.outcomes(table))).sort_values("iqm")
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(agg) + 1.5))
+    ax.errorbar(agg["iqm"], range(len(agg)), xerr=[agg["iqm"] - agg["ci_low"], agg["ci_high"] - agg["iqm"]],
+                fmt="o", capsize=3)
+    ax.set_yticks(range(len(agg)))
+    ax.set_yticklabels([f"{m} ({n} task{'s' if n > 1 else ''})" for m, n in zip(agg["method"], agg["n_tasks"])])
+    ax.set_xlabel("IQM of normalized return after onset (95% stratified bootstrap CI)")
+    ax.axvline(0, **ONSET_STYLE)
+    ax.set_title("Stabilizer track")
+    return _save(fig, out, "11_stabilizer_leaderboard")
+
+
+def fig_latency(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Detection latency per detector and task (failing baseline runs; a miss counts as the horizon)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    runs = scoring.detector_runs(table)
+    runs = runs[runs["failure"]]
+    if runs.empty:
+        raise Skip("no failing baseline run in the results")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    sns.stripplot(runs, x="detector", y="latency_frac", hue="task", dodge=True, ax=ax, alpha=0.8, jitter=0.15)
+    ax.set_ylabel("latency (share of horizon; 1 = miss)")
+    ax.set_xlabel("detector")
+    ax.tick_params(axis="x", rotation=30)
+    ax.set_title("Detection latency on failing baseline runs")
+    return _save(fig, out, "12_detection_latency")
+
+
+def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, log: bool = False) -> list[Path]:
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    sns.lineplot(rows, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=ax)
+    _onset(ax, rows)
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(label)
+    ax.set_title(f"{rows['task'].iloc[0]} (mean, 95% CI over seeds)")
+    return _save(fig, out, name)
+
+
+FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
+    ("failure-mode map", fig_failure_map),
+    ("KL estimators vs exact KL", fig_kl_estimators),
+    ("per-layer gradient heatmap", fig_grad_heatmap),
+    ("spectrum and effective rank", fig_spectrum),
+    ("policy-gradient variance", fig_pg_variance),
+    ("reasoning length and accuracy", fig_length),
+    ("staleness grid", fig_staleness),
+    ("policy churn", fig_churn),
+    ("entropy", fig_entropy),
+    ("tool-state ratio tails", fig_tool_ratios),
+    ("stabilizer leaderboard", fig_leaderboard),
+    ("detection latency", fig_latency),
+]
+
+
+# ---- tables and text ----------------------------------------------------------------------------------
+
+def write_tables(table: pd.DataFrame, out: Path) -> dict[str, str]:
+    """Generate every table (Markdown and CSV) and the single values the text quotes."""
+    result = scoring.score(table)
+    tables = {
+        "stabilizer_track": pd.DataFrame(result["stabilizer_track"]),
+        "aggregate": pd.DataFrame(result["aggregate"]),
+        "detector_track": pd.DataFrame(result["detector_track"]),
+    }
+    tables["tasks"] = task_table(sorted(table["task_ref"].unique()))
+    rendered = {}
+    for name, frame in tables.items():
+        frame.to_csv(out / "tables" / f"{name}.csv", index=False)
+        text = _markdown(frame)
+        (out / "tables" / f"{name}.md").write_text(text)
+        rendered[f"table:{name}"] = text
+    stab = tables["stabilizer_track"]
+    det = tables["detector_track"]
+    rendered["value:n_tasks"] = str(table["task"].nunique())
+    rendered["value:n_runs"] = str(table.groupby(["task", "method", "seed", "variant"]).ngroups)
+    rendered["value:n_seeds"] = str(int(stab["n_seeds"].min())) if len(stab) else "0"
+    rendered["value:tier"] = ", ".join(sorted(table["tier"].unique()))
+    base = stab[stab["role"] == "baseline"]
+    fix = stab[stab["role"] == "matched-fix"]
+    rendered["value:baseline_failure_mean"] = f"{base['failure_rate'].mean():.2f}" if len(base) else "n/a"
+    rendered["value:control_failure_mean"] = f"{base['control_failure_rate'].mean():.2f}" if len(base) else "n/a"
+    rendered["value:fix_failure_mean"] = f"{fix['failure_rate'].mean():.2f}" if len(fix) else "n/a"
+    if len(det):
+        best = det[~det["detector"].isin(["oracle"])].sort_values("score").groupby("task").tail(1)
+        rendered["table:best_detectors"] = _markdown(best[["task", "detector", "diagnostic", "score"]])
+    return rendered
+
+
+def task_table(refs: list[str]) -> pd.DataFrame:
+    """One row per task: how it is induced, what truth says it failed, and what its docstring measured."""
+    from suite import registry
+
+    rows = []
+    for ref in refs:
+        task = registry.get_task(ref)
+        budget = task.budget("quick")
+        gt = task.ground_truth
+        rule = "any post-onset value" if gt.reduce == "any" else f"mean of the last {gt.tail:.0%}"
+        doc = sys.modules[type(task).__module__].__doc__ or type(task).__doc__ or ""
+        summary = " ".join(doc.strip().split("\n\n")[0].split())  # the first paragraph states the mechanism
+        rows.append({"task": task.id, "family": task.family, "trainer": task.trainer,
+                     "quick (iterations, onset)": f"{budget.iterations}, {budget.onset}",
+                     "fails when": f"{gt.metric} {'>' if gt.fails_when == 'above' else '<'} {gt.threshold:g} ({rule})",
+                     "matched fix": task.matched_fix, "mechanism (as measured)": summary})
+    return pd.DataFrame(rows)
+
+
+def _markdown(frame: pd.DataFrame) -> str:
+    if frame.empty:
+        return "(no rows)\n"
+
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "" if math.isnan(v) else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def render_text(values: dict[str, str], out: Path) -> Path | None:
+    template = out / "paper.template.md"
+    if not template.is_file():
+        return None
+    text = template.read_text()
+    missing = sorted(set(re.findall(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", text)) - set(values))
+    if missing:
+        raise StabenchError(f"{template} asks for {', '.join(missing)}, which no generated table provides")
+    text = re.sub(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", lambda m: values[m.group(1)].rstrip("\n"), text)
+    path = out / "paper.md"
+    path.write_text("<!-- Generated by `stabench paper` from paper.template.md: edit the template. -->\n" + text)
+    return path
+
+
+PDF_STYLE = """
+@page { size: A4; margin: 18mm 16mm; }
+body { font-family: sans-serif; font-size: 9.5pt; line-height: 1.35; }
+h1 { font-size: 13pt; margin-top: 1.2em; } h2 { font-size: 11pt; }
+table { border-collapse: collapse; font-size: 7pt; margin: 0.6em 0; }
+th, td { border: 0.5pt solid #999; padding: 1.5pt 3pt; text-align: left; vertical-align: top; }
+img { max-width: 100%; } p.caption, figcaption { font-size: 8pt; color: #333; }
+"""
+
+
+def render_pdf(markdown_path: Path) -> Path | None:
+    """paper.md -> paper.pdf with python-markdown and WeasyPrint (the `paper` extra); None if absent."""
+    try:
+        import markdown
+        from weasyprint import HTML
+    except ImportError:
+        return None
+    text = markdown_path.read_text()
+    text = re.sub(r"\A<!--.*?-->\n---\ntitle: \"(.*?)\"\n---\n", r"# \1\n", text, flags=re.S)
+    body = markdown.markdown(text, extensions=["tables"])
+    html = f"<html><head><meta charset='utf-8'><style>{PDF_STYLE}</style></head><body>{body}</body></html>"
+    pdf = markdown_path.with_suffix(".pdf")
+    HTML(string=html, base_url=str(markdown_path.parent.resolve())).write_pdf(pdf)
+    return pdf
+
+
+def load_results(dirs: list[Path]) -> pd.DataFrame:
+    frames = []
+    for directory in dirs:
+        path = directory / "metrics.parquet"
+        if not path.is_file():
+            raise StabenchError(f"no metrics.parquet in {directory}")
+        frames.append(pd.read_parquet(path))
+    return pd.concat(frames, ignore_index=True)
+
+
+def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None = None) -> list[Path]:
+    """Rebuild every figure, table and the text; returns the files written."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    started = time.time()
+    table = load_results(dirs)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    _setup()
+    written: list[Path] = []
+    for number, (title, draw) in enumerate(FIGURES, start=1):
+        try:
+            paths = draw(table, out)
+        except Skip as why:
+            log(f"[{number:>2}/{len(FIGURES)}] {title}: skipped: {why}")
+            continue
+        written += paths
+        log(f"[{number:>2}/{len(FIGURES)}] {title}: {paths[0].with_suffix('.{pdf,png}')}")
+    values = write_tables(table, out)
+    written += sorted((out / "tables").glob("*"))
+    text = render_text(values, out)
+    if text:
+        written.append(text)
+        pdf = render_pdf(text)
+        if pdf:
+            written.append(pdf)
+            log(f"paper: {pdf}")
+        else:
+            log("paper: no PDF (install the `paper` extra: pip install -e '.[paper]')")
+    log(f"paper: {len(written)} files from {len(table)} rows in {time.time() - started:.1f} s")
+    return written
