@@ -239,6 +239,14 @@ class ProgressCallback(tune.Callback):
 
     def __init__(self, total: int, already: int = 0) -> None:
         self.total, self.finished = total, already
+        self.retries: dict[str, int] = {}
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        t = trial.config["trial"]
+        key = f"{t['task']}|{t['method']}|{t['seed']}"
+        self.retries[key] = self.retries.get(key, 0) + 1
+        print(f"[retry] {registry.get_task(t['task']).id} {registry.method_name(t['method'])} seed={t['seed']}: "
+              f"its worker failed; Tune runs it again (retry {self.retries[key]})", file=sys.stderr, flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.finished += 1
@@ -274,6 +282,15 @@ def check_address(address: str) -> None:
         raise StabenchError(f"no Ray cluster answers at {address}: {exc.strerror or exc}") from exc
 
 
+def _prune_stale_temp_dirs() -> None:
+    """Remove private Ray folders left by stabench drivers that no longer run (killed with SIGKILL)."""
+    for path in Path(tempfile.gettempdir()).glob("sbray*_*"):
+        pid = path.name[len("sbray"):].split("_", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class RayCluster:
     """Context manager: a private local Ray by default (never someone else's), or an existing cluster."""
 
@@ -283,6 +300,7 @@ class RayCluster:
     def __enter__(self) -> RayCluster:
         import ray
 
+        _prune_stale_temp_dirs()
         if self.address:
             try:
                 ray.init(address=self.address, log_to_driver=False, configure_logging=False)
@@ -290,7 +308,9 @@ class RayCluster:
                 first = str(exc).splitlines()[0]
                 raise StabenchError(f"cannot join the Ray cluster at {self.address}: {first}") from exc
         else:
-            self.temp_dir = tempfile.mkdtemp(prefix="sbray")  # short: Ray's socket paths have a length cap
+            # short (Ray's socket paths have a length cap) and named after this process, so that a later
+            # run can remove the folder of a driver that was killed before it could clean up
+            self.temp_dir = tempfile.mkdtemp(prefix=f"sbray{os.getpid()}_")
             ray.init(
                 address="local",
                 num_cpus=self.num_cpus or os.cpu_count(),
@@ -389,7 +409,7 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                 ),
             )
         results = tuner.fit()
-    table, trials = collect(results, exp.trials)
+    table, trials = collect(results, exp.trials, progress.retries)
     write_atomic(table, exp.out / METRICS)
     trials.to_csv(exp.out / TRIALS, index=False)
     bad = trials[trials["status"] != "ok"]
@@ -401,8 +421,12 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
     return exp.out / METRICS
 
 
-def collect(results: Any, expected: list[TrialSpec]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Join the trials' rows; a trial Ray could not finish is listed with status `error`, never dropped."""
+def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | None = None,
+            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Join the trials' rows; a trial Ray could not finish is listed with status `error`, never dropped.
+
+    `retries` counts, per trial, how often Tune restarted it after its worker failed (this session).
+    """
     frames, status = [], {}
     for result in results:
         t = result.config["trial"]
@@ -419,9 +443,8 @@ def collect(results: Any, expected: list[TrialSpec]) -> tuple[pd.DataFrame, pd.D
     rows = []
     for spec in expected:
         st, err, secs = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan))
-        rows.append(
-            {**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err, "seconds": secs}
-        )
+        rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err,
+                     "seconds": secs, "retries": (retries or {}).get(spec.key, 0)})
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
         table = table.sort_values(["task", "method", "seed", "variant", "iteration"], kind="stable")

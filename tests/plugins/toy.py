@@ -118,3 +118,37 @@ class NoOp(Stabilizer):
 
     def loss(self, terms, batch):
         return dict(terms)
+
+
+class SlowRun(ToyRun):
+    def step(self, injected: bool) -> dict[str, float]:
+        import time
+
+        time.sleep(0.1)  # long enough to kill a sweep in the middle of its trials
+        return super().step(injected)
+
+
+class SlowToyTask(ToyTask):
+    """The toy, slowed down: about 3 s a trial at the quick tier, for kill-and-resume tests."""
+
+    id = "slow-toy"
+
+    def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> SlowRun:
+        return SlowRun(seed, stabilizer)
+
+
+class DieOnce(Stabilizer):
+    """Kills its own worker process the first time a run is built with it (a marker file remembers),
+    like a node that dies under a trial; Ray Tune should run the trial again."""
+
+    name = "die-once"
+
+    def model(self, model, spec):
+        import os
+        from pathlib import Path
+
+        marker = Path(os.environ["STABENCH_TEST_MARKER"])
+        if not marker.exists():
+            marker.write_text("died once\n")
+            os._exit(1)
+        return model
