@@ -1,0 +1,79 @@
+"""Sweep benchmarks through Ray Tune: scaling from 1 to 2 worker CPUs, the quick tier's wall time, memory.
+
+    python bench/sweep.py scaling   # the smoke grid (default suite, 2 seeds) with --cpus 1, then --cpus 2
+    python bench/sweep.py quick     # the whole quick tier, wall time and peak memory of the sweep
+    python bench/sweep.py trial     # peak resident memory of one quick-tier trial per task, in-process
+
+Peak memory of a sweep is the largest sum of resident memory over the `stabench` process and all its
+descendants (Ray's processes and workers included), sampled every 0.5 s with psutil.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+
+def watched(argv: list[str]) -> tuple[float, float, int]:
+    """Run a command; return (wall seconds, peak resident GiB of its process tree, exit status)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.5)
+    err = proc.stderr.read() if proc.stderr else ""
+    if proc.returncode:
+        print(err[-2000:], file=sys.stderr)
+    return time.perf_counter() - start, peak / 2**30, proc.returncode
+
+
+def stabench(*args: str) -> list[str]:
+    return [sys.executable, "-m", "suite.cli", *args]
+
+
+def scaling() -> None:
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for cpus in ("1", "2"):
+            wall, peak, rc = watched(stabench("run", "--tier", "smoke", "--seeds", "2", "--cpus", cpus,
+                                              "--out", f"{tmp}/cpus{cpus}"))
+            times[cpus] = wall
+            print(f"smoke grid, {cpus} worker CPU(s): {wall:.1f} s wall, peak {peak:.2f} GiB, exit {rc}", flush=True)
+    print(f"speed-up 1 -> 2 CPUs: {times['1'] / times['2']:.2f}x (target >= 1.7x)")
+
+
+def quick() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, peak, rc = watched(stabench("run", "--tier", "quick", "--out", f"{tmp}/quick"))
+        print(f"quick tier: {wall / 60:.1f} min wall (target <= 12), peak {peak:.2f} GiB (target < 6), exit {rc}")
+        print(Path(f"{tmp}/quick/trials.csv").read_text().count("\n") - 1, "trials")
+
+
+def trial() -> None:
+    from suite import registry
+    from suite.runner import TrialSpec, run_trial
+
+    for name in registry.names("task"):
+        start = time.perf_counter()
+        run_trial(TrialSpec(name, "baseline", 0, "quick"))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        print(f"{name}: one quick trial {time.perf_counter() - start:.1f} s; peak resident memory of this "
+              f"process so far {peak:.2f} GiB", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["scaling", "quick", "trial"])
+    {"scaling": scaling, "quick": quick, "trial": trial}[parser.parse_args().what]()
