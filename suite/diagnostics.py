@@ -148,6 +148,31 @@ def kl_estimator_means(state: TrainState) -> dict[str, float]:
     return row
 
 
+@diagnostic("churn")
+def churn(state: TrainState) -> dict[str, float]:
+    """Policy and value churn on held-out states, per gradient update (Schaul et al. 2022).
+
+    Reads `extras["heldout_q"]`, a tensor (U + 1) x S x A of Q on S held-out states before each of the
+    iteration's U updates and after the last. Columns: `policy_churn`, the share of held-out states whose
+    greedy action argmax_a Q changes across one update, averaged over the U updates; `value_churn`, the mean
+    |dQ| over states and actions across one update; `policy_churn_iter`, the share whose greedy action
+    differs between the start and the end of the iteration. NaN when no update ran.
+    """
+    q = state.extras.get("heldout_q")
+    if q is None or q.shape[0] < 2:
+        return {"policy_churn": math.nan, "value_churn": math.nan, "policy_churn_iter": math.nan}
+    q = q.detach()
+    greedy = q.argmax(-1)
+    return {
+        "policy_churn": float((greedy[1:] != greedy[:-1]).float().mean()),
+        "value_churn": float((q[1:] - q[:-1]).abs().mean()),
+        "policy_churn_iter": float((greedy[-1] != greedy[0]).float().mean()),
+    }
+
+
+SPECTRUM_COLUMNS = 16
+
+
 @diagnostic("spectrum")
 def spectrum(state: TrainState) -> dict[str, float]:
     """Effective rank and normalized singular values of a fixed batch's features, `extras["features"]`.

@@ -20,6 +20,7 @@ from suite.api import Budget, Detector, StabenchError, Stabilizer, Task
 BUILTIN_TASKS: dict[str, str] = {
     "dead-layers": "tasks.dead_layers:DeadLayers",
     "kl-estimator-bias": "tasks.kl_estimator_bias:KLEstimatorBias",
+    "representation-collapse": "tasks.representation_collapse:RepresentationCollapse",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -29,6 +30,8 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "kl-max": "baselines.stabilizers.kl_estimators:KLMaxInLoss",
     "kl-k2": "baselines.stabilizers.kl_estimators:KLk2InLoss",
     "kl-k1-reward": "baselines.stabilizers.kl_estimators:KLk1InReward",
+    "isotropic-gaussian": "baselines.stabilizers.isotropic:IsotropicGaussian",
+    "entropy-bonus": "baselines.stabilizers.isotropic:EntropyBonus",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {
