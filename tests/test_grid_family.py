@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 
 import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gymnasium.utils.env_checker import check_env  # noqa: E402
@@ -152,3 +153,22 @@ def test_same_seed_same_rows() -> None:
         run = task.build("smoke", 3, MultiSkipResidual())
         rows.append([run.step(i >= 1) for i in range(2)])
     assert all(same_rows(x, y) for x, y in zip(*rows))
+
+
+@pytest.mark.smoke
+def test_the_memoized_empty_room_sees_exactly_what_minigrid_sees():
+    from minigrid.envs import EmptyEnv
+
+    from tasks.grids import StaticEmptyEnv
+
+    for size in (5, 8):
+        fast, slow = StaticEmptyEnv(size=size), EmptyEnv(size=size)
+        fast.reset(seed=0)
+        slow.reset(seed=0)
+        for x in range(1, size - 1):
+            for y in range(1, size - 1):
+                for heading in range(4):
+                    for env in (fast, slow):
+                        env.agent_pos, env.agent_dir = (x, y), heading
+                    for _ in range(2):  # the second call is served from the cache
+                        assert np.array_equal(fast.gen_obs()["image"], slow.gen_obs()["image"])
