@@ -63,6 +63,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     if args.tier not in TIERS:
         raise StabenchError(f"unknown tier {args.tier!r}; choose from {', '.join(TIERS)}")
+    if args.cpus is not None and args.cpus < 1:
+        raise StabenchError(f"--cpus must be at least 1, got {args.cpus}")
     from suite import registry, runner
 
     tasks = args.tasks or tuple(

@@ -102,6 +102,7 @@ class ExperimentSpec:
             methods = list(self.methods if self.methods is not None else task.methods) + list(self.stabilizers)
             usable = []
             for method in methods:
+                registry.method_name(method)  # a plugin's recorded name must be its own
                 stabilizer = registry.make_stabilizer(method)
                 if stabilizer.applies_to(task.trainer):
                     usable.append(method)

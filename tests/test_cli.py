@@ -32,10 +32,18 @@ def run_cli(capsys, *argv):
         (["run", "--tasks", f"{TOY}:ToyTask", "--seeds", "0"], "--seeds must be at least 1"),
         (["score", "/no/such/dir"], "no metrics.parquet in /no/such/dir"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--cpus", "0"], "--cpus must be at least 1"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--detector", f"{TOY}:ToyFix"], "is not a suite.api.Detector subclass"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--stabilizer", f"{TOY}:ClashingName"], "not used by a built-in"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--methods", "kl-max"], "does not apply to task"),
+        (["run", "--tasks", f"{TOY}:NoSuchTask"], "has no 'NoSuchTask'"),
+        (["paper", "/no/such/dir", "--out", "{out}"], "no metrics.parquet in /no/such/dir"),
+        (["verify", "/no/such/run", "--leaderboard", "{out}/lb.csv"], "is not a finished run"),
     ],
 )
 def test_bad_input_is_one_line_nonzero_and_writes_nothing(capsys, tmp_path, argv, message):
     out_dir = tmp_path / "out"
+    argv = [a.replace("{out}", str(out_dir)) for a in argv]
     if argv[0] == "run":
         argv = [*argv, "--out", str(out_dir)] + ([] if "--tier" in argv else ["--tier", "smoke"])
     code, out, err = run_cli(capsys, *argv)
@@ -56,6 +64,14 @@ def test_an_output_folder_with_another_experiment_is_refused_without_resume(caps
     code, _, err = run_cli(capsys, "run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask", "--out", str(out_dir),
                            "--resume")
     assert code == 2 and "nothing to resume" in err
+
+
+def test_unreadable_results_and_unknown_names_in_a_run_are_one_line(capsys, tmp_path):
+    (tmp_path / "metrics.parquet").write_bytes(b"not parquet at all")
+    before = (tmp_path / "metrics.parquet").read_bytes()
+    code, _, err = run_cli(capsys, "score", str(tmp_path))
+    assert code == 2 and "cannot read" in err and err.count("\n") == 1
+    assert (tmp_path / "metrics.parquet").read_bytes() == before
 
 
 def test_list_names_every_registry_through_the_console_script():

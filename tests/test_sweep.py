@@ -36,6 +36,13 @@ def smoke_sweep(tmp_path_factory):
     return out, proc
 
 
+def folder_digest(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def methods_of(task) -> set[str]:
     extra = {"advantage-clip"} if registry.make_stabilizer(STABILIZER).applies_to(task.trainer) else set()
     return set(task.methods) | extra
@@ -75,8 +82,10 @@ def test_resume_of_a_finished_sweep_reruns_nothing_and_keeps_the_table(smoke_swe
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming" in proc.stderr
     pd.testing.assert_frame_equal(before, pd.read_parquet(out / "metrics.parquet"))
+    before_files = folder_digest(out)
     other = stabench("run", "--tier", "smoke", "--tasks", TASKS[0], "--out", str(out), "--resume")
     assert other.returncode == 2 and "holds a different experiment" in other.stderr
+    assert folder_digest(out) == before_files  # the refused request changed nothing in the result folder
 
 
 def test_walkthrough_score_submit_verify_leaderboard(smoke_sweep, tmp_path):

@@ -152,3 +152,7 @@ class DieOnce(Stabilizer):
             marker.write_text("died once\n")
             os._exit(1)
         return model
+
+
+class ClashingName(Stabilizer):
+    name = "kl-max"  # a built-in's name: refused, results would be ambiguous
