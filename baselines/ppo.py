@@ -12,7 +12,21 @@
 Stabilizer hooks are called in the order of `suite.api.Stabilizer`: `model` and `optimizer` once at
 construction; per minibatch `advantages` -> `loss` -> backward -> `after_backward` -> optimizer step.
 Gradient clipping is *not* part of the trainer (CleanRL clips at 0.5 by default; here that is the
-`grad-clip` stabilizer).
+`grad-clip` stabilizer). A stabilizer may also define the PPO-only hook `rollout(batch, info) -> batch`,
+called once per iteration after GAE with the whole flattened rollout (t-major: row t * num_envs + e) and
+`info` = num_steps, num_envs, gamma, gae_lambda, next_value, next_done; it may replace `advantages` and
+`returns` (V-trace does).
+
+Each minibatch dict the `advantages` and `loss` hooks see holds the batch keys below for its rows; before
+`loss` the trainer adds `new_logprobs` (log pi_theta(a|s), with grad), `adv` (the advantages the policy
+term used: normalized, after the `advantages` hook) and `clip_coef` (a 0-d tensor).
+
+Lagged actors (asynchronous collection): with `actor_history = H > 0` the trainer keeps the learner's
+parameters of the last H updates, and with `actor_lag = k > 0` it collects the rollout with the parameters
+of k updates ago (the oldest kept, if fewer exist). `logprobs` are then the behaviour (actor) policy's
+stored log-probabilities, which the clipped ratio is formed against (classic asynchronous PPO), and one
+batched learner forward after the rollout gives `values` and `old_logprobs` (log pi_old, the learner at
+the start of the update). With no lag the actor is the learner: `old_logprobs` is `logprobs`.
 
 Randomness: action sampling and minibatch shuffles draw from one `numpy.random.Generator` held by the
 trainer, and the envs are seeded at construction, so a trainer's whole state lives in the object and
@@ -20,21 +34,27 @@ trainer, and the envs are seeded at construction, so a trainer's whole state liv
 
 What `iterate()` returns (`suite.api.TrainState`):
 - `batch`: the iteration's rollout, flattened to (num_steps * num_envs, ...): obs, actions, logprobs,
-  values, advantages, returns, rewards (as the learner saw them, i.e. after any reward scaling), dones;
+  values, advantages, returns, rewards (as the learner saw them, i.e. after any reward scaling), dones,
+  old_logprobs (see lagged actors);
 - `grads`: each parameter's gradient on the last minibatch, cloned right after backward, *before* the
   stabilizer's `after_backward` edits it and before the optimizer step (so a clipping stabilizer does
   not hide the raw gradient from the diagnostics);
 - `losses`: means over the iteration's minibatches of `policy_loss`, `value_loss` (0.5 MSE, without
-  vf_coef), `entropy_loss` (the minibatch entropy), `approx_kl`, `clip_frac`; plus `entropy`, the mean
-  entropy of the policy that collected the rollout;
+  vf_coef), `entropy_loss` (the minibatch entropy), `approx_kl`, `clip_frac`, `ratio_p99` (the
+  minibatches' 99th percentile of the ratio); plus `entropy`, the mean entropy of the policy that collected
+  the rollout, and `ratio_max` (the largest ratio of the iteration);
 - `extras`: `global_step` (env steps so far), `episode_return` (mean undiscounted true return of the
   episodes that ended during this iteration's collection, NaN if none), `episodes` (their count),
+  `actor_lag` (the lag the rollout was collected at), `behaviour_kl` (mean exact KL(behaviour || pi_old)
+  over the rollout's states; 0 without lag),
   `activations` (the trunk's hidden units on a held batch: the first iteration's observations).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -89,6 +109,10 @@ class PPO:
         self.global_step = 0
         self.iteration = 0
         self.held_obs: torch.Tensor | None = None  # fixed batch for the activation diagnostics
+        self.actor_lag = 0  # collect with the parameters of this many updates ago (0: the learner)
+        self.actor_history = 0  # how many past parameter snapshots to keep (at least the largest lag)
+        self.snapshots: deque[dict[str, torch.Tensor]] = deque()
+        self.actor: nn.Module | None = None  # the lagged copy of the model, built on first use
 
     # ---- acting -------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -98,6 +122,20 @@ class PPO:
         actions = (probs.cumsum(-1) < u[:, None]).sum(-1)
         return torch.as_tensor(np.minimum(actions, probs.shape[1] - 1), dtype=torch.long)
 
+    def acting_model(self) -> tuple[nn.Module, int]:
+        """The network that collects this iteration's rollout, and its lag in updates (0: the learner)."""
+        if self.actor_history > 0:
+            self.snapshots.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+            while len(self.snapshots) > self.actor_history + 1:
+                self.snapshots.popleft()
+        lag = min(self.actor_lag, len(self.snapshots) - 1)
+        if lag <= 0:
+            return self.model, 0
+        if self.actor is None:
+            self.actor = copy.deepcopy(self.model)
+        self.actor.load_state_dict(self.snapshots[-1 - lag])
+        return self.actor, lag
+
     # ---- one update ---------------------------------------------------------------------------------
     def iterate(self) -> TrainState:
         cfg, model, T, N = self.cfg, self.model, self.cfg.num_steps, self.cfg.num_envs
@@ -105,12 +143,15 @@ class PPO:
         actions = torch.zeros((T, N), dtype=torch.long)
         logprobs, rewards, dones, values, entropies = (torch.zeros((T, N)) for _ in range(5))
         ended: list[float] = []
+        actor, lag = self.acting_model()
+        behaviour_logits = []
 
         # 1. rollout
         for t in range(T):
             obs[t], dones[t] = self.next_obs, self.next_done
             with torch.no_grad():
-                logits, value = model(self.next_obs)
+                logits, value = actor(self.next_obs)
+            behaviour_logits.append(logits)
             action = self.sample(logits)
             logprobs[t], entropies[t] = categorical_logprob_entropy(logits, action)
             values[t], actions[t] = value, action
@@ -123,6 +164,15 @@ class PPO:
             final = info.get("final_info", {})
             if "episode" in final:
                 ended.extend(float(r) for r in final["episode"]["r"][final["_episode"]])
+
+        old_logprobs, behaviour_kl = logprobs, 0.0
+        if lag > 0:  # the learner's own values and log pi_old on the actors' states, in one forward
+            with torch.no_grad():
+                learner_logits, learner_values = model(obs.reshape((T * N,) + tuple(obs.shape[2:])))
+            values = learner_values.reshape(T, N)
+            old_logprobs = categorical_logprob_entropy(learner_logits, actions.reshape(-1))[0].reshape(T, N)
+            b_logp = torch.log_softmax(torch.cat(behaviour_logits), dim=-1)
+            behaviour_kl = float((b_logp.exp() * (b_logp - torch.log_softmax(learner_logits, -1))).sum(-1).mean())
 
         # 2. GAE: delta_t = r_t + gamma V(s_{t+1}) (1 - done_{t+1}) - V(s_t)
         #         A_t = delta_t + gamma lambda (1 - done_{t+1}) A_{t+1};  R_t = A_t + V(s_t)
@@ -148,12 +198,20 @@ class PPO:
             "returns": returns.reshape(-1),
             "rewards": rewards.reshape(-1),
             "dones": dones.reshape(-1),
+            "old_logprobs": old_logprobs.reshape(-1),
         }
+        rollout_hook = getattr(self.stabilizer, "rollout", None)
+        if rollout_hook is not None:
+            info = {"num_steps": T, "num_envs": N, "gamma": cfg.gamma, "gae_lambda": cfg.gae_lambda,
+                    "next_value": next_value, "next_done": self.next_done}
+            batch = rollout_hook(batch, info)
         if self.held_obs is None:
             self.held_obs = batch["obs"].clone()
 
         # 3. clipped-objective epochs
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy_loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0}
+        sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy_loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0,
+                "ratio_p99": 0.0}
+        ratio_max = 0.0
         n_updates = cfg.update_epochs * cfg.num_minibatches
         grads: dict[str, torch.Tensor] = {}
         for epoch in range(cfg.update_epochs):
@@ -168,6 +226,8 @@ class PPO:
                 with torch.no_grad():
                     approx_kl = ((ratio - 1) - logratio).mean()  # Schulman's k3 estimator
                     clip_frac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
+                    ratio_p99 = torch.quantile(ratio, 0.99)
+                    ratio_max = max(ratio_max, float(ratio.max()))
 
                 mb_adv = mb["advantages"]
                 if cfg.norm_adv:
@@ -183,6 +243,7 @@ class PPO:
                 entropy_mean = entropy.mean()
 
                 terms = {"policy": pg_loss, "value": cfg.vf_coef * v_loss, "entropy": -cfg.ent_coef * entropy_mean}
+                mb.update(new_logprobs=newlogprob, adv=mb_adv, clip_coef=torch.tensor(cfg.clip_coef))
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
@@ -200,6 +261,7 @@ class PPO:
                 sums["entropy_loss"] += float(entropy_mean.detach())
                 sums["approx_kl"] += float(approx_kl)
                 sums["clip_frac"] += float(clip_frac)
+                sums["ratio_p99"] += float(ratio_p99)
 
         for p in model.parameters():
             if not torch.isfinite(p).all():
@@ -208,10 +270,13 @@ class PPO:
         self.iteration += 1
         losses = {key: v / n_updates for key, v in sums.items()}
         losses["entropy"] = float(entropies.mean())
+        losses["ratio_max"] = ratio_max
         extras = {
             "global_step": self.global_step,
             "episode_return": float(np.mean(ended)) if ended else math.nan,
             "episodes": len(ended),
+            "actor_lag": lag,
+            "behaviour_kl": behaviour_kl,
         }
         if hasattr(model, "hidden"):
             with torch.no_grad():

@@ -20,6 +20,7 @@ from suite.api import Budget, Detector, StabenchError, Stabilizer, Task
 BUILTIN_TASKS: dict[str, str] = {
     "dead-layers": "tasks.dead_layers:DeadLayers",
     "kl-estimator-bias": "tasks.kl_estimator_bias:KLEstimatorBias",
+    "parallel-staleness": "tasks.parallel_staleness:ParallelStaleness",
     "representation-collapse": "tasks.representation_collapse:RepresentationCollapse",
 }
 
@@ -30,6 +31,9 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "kl-max": "baselines.stabilizers.kl_estimators:KLMaxInLoss",
     "kl-k2": "baselines.stabilizers.kl_estimators:KLk2InLoss",
     "kl-k1-reward": "baselines.stabilizers.kl_estimators:KLk1InReward",
+    "decoupled-ppo": "baselines.stabilizers.staleness:DecoupledPPO",
+    "vtrace": "baselines.stabilizers.staleness:VTrace",
+    "dual-clip": "baselines.stabilizers.staleness:DualClip",
     "isotropic-gaussian": "baselines.stabilizers.isotropic:IsotropicGaussian",
     "entropy-bonus": "baselines.stabilizers.isotropic:EntropyBonus",
 }
