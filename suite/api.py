@@ -206,6 +206,10 @@ class Task:
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> Run:
         raise NotImplementedError
 
+    def grid(self, name: str, tier: str) -> list[dict[str, Any]]:
+        """Knob settings of a named sweep over this task (each is `type(task)(**knobs)`); none by default."""
+        raise StabenchError(f"task {self.id!r} has no grid named {name!r}")
+
     def budget(self, tier: str) -> Budget:
         if tier not in self.budgets:
             raise StabenchError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")

@@ -78,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         seeds=args.seeds,
         stabilizers=tuple(map(refs, args.stabilizer or ())),
         detectors=(*registry.DEFAULT_DETECTORS, *map(refs, args.detector or ())),
+        grid=args.grid,
     )
     stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{stamp}"
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="an existing Ray cluster HOST:PORT (default: a private local Ray)")
     p.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all)")
     p.add_argument("--resume", action="store_true", help="continue the experiment already in --out")
+    p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("score", help="score a finished run folder")

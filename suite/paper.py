@@ -220,25 +220,26 @@ def fig_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
     import seaborn as sns
 
     rows = _need(table, "parallel-staleness")
-    knobs = [c for c in ("knob_envs", "knob_epochs", "knob_lag") if c in rows]
-    if len(knobs) < 3 or rows[knobs].drop_duplicates().shape[0] < 2:
+    knobs = ["knob_num_envs", "knob_epochs", "knob_lag"]
+    if any(k not in rows for k in knobs) or rows[knobs].drop_duplicates().shape[0] < 2:
         raise Skip("the results hold no staleness grid (run `stabench run --grid staleness`)")
-    kept = scoring.outcomes(rows)
-    meta = rows.groupby(["method", "seed"])[knobs].first().reset_index()
-    kept = kept.merge(meta, on=["method", "seed"])
-    pivot = kept.pivot_table(index=["method", "seed", *knobs], columns="variant", values="post_onset_return")
+    rows = rows[rows["method"] == "baseline"]
+    per_run = scoring.outcomes(rows)
+    cells = rows.groupby("cell")[knobs].first()
+    per_run["cell"] = per_run["task"].str.extract(r"\[(.*)\]")[0]
+    per_run = per_run.join(cells, on="cell")
+    pivot = per_run.pivot_table(index=["cell", "seed", *knobs], columns="variant", values="post_onset_return")
     pivot["kept"] = pivot["injected"] / pivot["control"]
     data = pivot.reset_index()
-    data = data[data["method"] == "baseline"]
     lags = sorted(data["knob_lag"].unique())
     fig, axes = plt.subplots(1, len(lags), figsize=(5 * len(lags), 4), squeeze=False)
     for ax, lag in zip(axes[0], lags):
-        grid = data[data["knob_lag"] == lag].pivot_table(index="knob_envs", columns="knob_epochs", values="kept")
+        grid = data[data["knob_lag"] == lag].pivot_table(index="knob_num_envs", columns="knob_epochs", values="kept")
         sns.heatmap(grid, annot=True, fmt=".2f", cmap="viridis", vmin=0, vmax=1.2, ax=ax,
                     cbar_kws={"label": "return kept (injected / control)"})
-        ax.set_title(f"lag {lag} updates")
+        ax.set_title(f"actors lag {lag} updates (mean over seeds)")
         ax.set_xlabel("epochs of reuse")
-        ax.set_ylabel("parallel environments")
+        ax.set_ylabel("parallel environments (batch fixed)")
     return _save(fig, out, "07_staleness_grid")
 
 

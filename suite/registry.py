@@ -133,8 +133,9 @@ def resolve_class(kind: str, name: str) -> type:
     return cls
 
 
-def get_task(name: str) -> Task:
-    return resolve_class("task", name)()
+def get_task(name: str, **knobs: Any) -> Task:
+    """The task behind a name, built with `knobs` (its constructor checks them)."""
+    return resolve_class("task", name)(**knobs)
 
 
 def method_name(ref: str) -> str:

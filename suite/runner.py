@@ -73,10 +73,16 @@ class TrialSpec:
     seed: int
     tier: str
     detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
+    knobs: tuple[tuple[str, Any], ...] = ()  # task constructor arguments (a cell of a grid)
 
     @property
     def key(self) -> str:
-        return f"{self.task}|{self.method}|{self.seed}"
+        return f"{self.task}|{self.method}|{self.seed}|{cell_name(self.knobs)}"
+
+
+def cell_name(knobs: Any) -> str:
+    """`epochs=4,lag=16,...`: the knobs of a grid cell as one sortable label ('' for the task's defaults)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(dict(knobs).items()))
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,7 @@ class ExperimentSpec:
     seeds: int | None = None  # None: each task's budget at the tier
     stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
     detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
+    grid: str | None = None  # a named sweep of task knobs (for example "staleness"), through Tune's grid
 
     def config_hash(self) -> str:
         return digest(asdict(self))
@@ -96,8 +103,19 @@ class ExperimentSpec:
     def trials(self) -> list[TrialSpec]:
         """Validate every name and build the grid; raises StabenchError before anything runs."""
         out: list[TrialSpec] = []
+        gridded = False
         for name in self.tasks:
             task = registry.get_task(name)
+            cells: list[dict[str, Any]] = [{}]
+            if self.grid:
+                try:
+                    cells = task.grid(self.grid, self.tier)
+                    gridded = True
+                except StabenchError:
+                    if len(self.tasks) == 1:
+                        raise
+                for cell in cells:
+                    registry.get_task(name, **cell)  # a bad cell fails here, before anything runs
             budget = task.budget(self.tier)
             methods = list(self.methods if self.methods is not None else task.methods) + list(self.stabilizers)
             usable = []
@@ -115,7 +133,10 @@ class ExperimentSpec:
             seeds = self.seeds if self.seeds is not None else budget.seeds
             if seeds < 1:
                 raise StabenchError(f"--seeds must be at least 1, got {seeds}")
-            out += [TrialSpec(name, m, s, self.tier, self.detectors) for m in usable for s in range(seeds)]
+            out += [TrialSpec(name, m, s, self.tier, self.detectors, tuple(sorted(cell.items())))
+                    for cell in cells for m in usable for s in range(seeds)]
+        if self.grid and not gridded:
+            raise StabenchError(f"no requested task has a grid named {self.grid!r}")
         for det in self.detectors:
             registry.resolve_class("detector", det)
         return out
@@ -141,7 +162,7 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
     import torch
 
     torch.set_num_threads(1)
-    task = registry.get_task(spec.task)
+    task = registry.get_task(spec.task, **dict(spec.knobs))
     budget = task.budget(spec.tier)
     method = registry.method_name(spec.method)
     meta = {
@@ -158,6 +179,8 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
         "iterations": budget.iterations,
         "suite_version": SUITE_VERSION,
         "config_hash": digest([asdict(spec), task.version, SUITE_VERSION]),
+        "cell": cell_name(spec.knobs),
+        **{f"knob_{k}": v for k, v in spec.knobs},
     }
 
     def advance(run: Any, first: int, injected: bool, variant: str, rows: list[dict]) -> tuple[str, str]:
@@ -215,7 +238,9 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
 
 def _tune_trainable(config: dict) -> None:
     """The Ray Tune function trainable: one trial, progress every few iterations, rows in a checkpoint."""
-    spec = TrialSpec(**{**config["trial"], "detectors": tuple(config["trial"]["detectors"])})
+    trial = config["trial"]
+    spec = TrialSpec(**{**trial, "detectors": tuple(trial["detectors"]),
+                        "knobs": tuple((k, v) for k, v in trial.get("knobs", ()))})
     started = time.time()
 
     def progress(iteration: int, variant: str, row: dict) -> None:
@@ -244,7 +269,7 @@ class ProgressCallback(tune.Callback):
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = trial.config["trial"]
-        key = f"{t['task']}|{t['method']}|{t['seed']}"
+        key = f"{t['task']}|{t['method']}|{t['seed']}|{cell_name(t.get('knobs', ()))}"
         self.retries[key] = self.retries.get(key, 0) + 1
         print(f"[retry] {registry.get_task(t['task']).id} {registry.method_name(t['method'])} seed={t['seed']}: "
               f"its worker failed; Tune runs it again (retry {self.retries[key]})", file=sys.stderr, flush=True)
@@ -255,7 +280,8 @@ class ProgressCallback(tune.Callback):
         t = trial.config["trial"]
         print(
             f"[{self.finished:>3}/{self.total}] {registry.get_task(t['task']).id} {registry.method_name(t['method'])} "
-            f"seed={t['seed']}: {r.get('status', '?')} in {r.get('seconds', float('nan')):.1f} s",
+            f"seed={t['seed']}{' ' + cell_name(t['knobs']) if t.get('knobs') else ''}: "
+            f"{r.get('status', '?')} in {r.get('seconds', float('nan')):.1f} s",
             file=sys.stderr,
             flush=True,
         )
@@ -431,7 +457,7 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
     frames, status = [], {}
     for result in results:
         t = result.config["trial"]
-        key = f"{t['task']}|{t['method']}|{t['seed']}"
+        key = f"{t['task']}|{t['method']}|{t['seed']}|{cell_name(t.get('knobs', ()))}"
         if result.checkpoint is None:
             status[key] = ("error", str(result.error).splitlines()[0] if result.error else "no result", math.nan)
             continue
@@ -444,14 +470,15 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
     rows = []
     for spec in expected:
         st, err, secs = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan))
-        rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "status": st, "error": err,
+        rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "knobs": cell_name(spec.knobs),
+                     "status": st, "error": err,
                      "seconds": secs, "retries": (retries or {}).get(spec.key, 0)})
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
-        table = table.sort_values(["task", "method", "seed", "variant", "iteration"], kind="stable")
+        table = table.sort_values(["task", "cell", "method", "seed", "variant", "iteration"], kind="stable")
         # a canonical column order, whatever order Tune returns trials in (a resumed sweep included)
         first = ["task", "method", "role", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
-        last = ["status", "error", "diverged_at", "task_ref", "task_version", "family", "method_ref", "tier",
+        last = ["status", "error", "diverged_at", "task_ref", "cell", "task_version", "family", "method_ref", "tier",
                 "onset_iteration", "iterations", "suite_version", "config_hash"]
         middle = sorted(c for c in table.columns if c not in first and c not in last)
         table = table[[c for c in first + middle + last if c in table]]

@@ -79,19 +79,28 @@ def post_onset_drawdown(rows: pd.DataFrame, task: Task, onset: int) -> float:
     return float(np.max(np.maximum.accumulate(norm) - norm))
 
 
+def _plain(value: object) -> object:
+    """A numpy scalar read back from parquet as the Python value a task's constructor expects."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def outcomes(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (task, method, seed, variant): failed, post-onset return, normalized return."""
     rows = []
     tasks: dict[str, Task] = {}
-    for (task_id, method, seed, variant), run in table.groupby(["task", "method", "seed", "variant"], sort=True):
+    if "cell" not in table:
+        table = table.assign(cell="")
+    keys = ["task", "cell", "method", "seed", "variant"]
+    for (task_id, cell, method, seed, variant), run in table.groupby(keys, sort=True):
         ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
-        task = tasks.setdefault(ref, registry.get_task(ref))
+        knobs = {c[len("knob_"):]: _plain(run[c].iloc[0]) for c in run.columns if c.startswith("knob_") and cell}
+        task = tasks.setdefault(f"{ref}|{cell}", registry.get_task(ref, **knobs))
         run = run.sort_values("iteration")
         onset, iterations = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
         ret = post_onset_return(run, task, onset, iterations)
         rows.append(
             {
-                "task": task_id,
+                "task": f"{task_id} [{cell}]" if cell else task_id,
                 "method": method,
                 "role": run["role"].iloc[0],
                 "seed": seed,
@@ -221,11 +230,15 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.seed, r.variant): r.failed for r in per_run[per_run["role"] == "baseline"].itertuples()}
     base = table[table["role"] == "baseline"]
+    if "cell" not in base:
+        base = base.assign(cell="")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     rows = []
-    for task_id, task_rows in base.groupby("task", sort=True):
-        ref = task_rows["task_ref"].iloc[0] if "task_ref" in task_rows else task_id
-        task = registry.get_task(ref)
+    for (name, cell), task_rows in base.groupby(["task", "cell"], sort=True):
+        task_id = f"{name} [{cell}]" if cell else name
+        ref = task_rows["task_ref"].iloc[0] if "task_ref" in task_rows else name
+        knobs = {c[len("knob_"):]: _plain(task_rows[c].iloc[0]) for c in task_rows if c.startswith("knob_") and cell}
+        task = registry.get_task(ref, **knobs)
         for (seed, variant), run in task_rows.groupby(["seed", "variant"], sort=True):
             run = run.sort_values("iteration")
             onset, horizon = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])

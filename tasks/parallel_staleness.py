@@ -391,6 +391,12 @@ class ParallelStaleness(Task):
         budget = self.budget(tier)
         return ParallelStalenessRun(seed, stabilizer, self.diagnostics, self.knobs, budget.onset)
 
+    def grid(self, name: str, tier: str) -> list[dict[str, Any]]:
+        """`stabench run --grid staleness`: the map of where stability breaks, one trial per cell."""
+        if name != "staleness":
+            return super().grid(name, tier)
+        return staleness_grid(tier)
+
 
 # ---- the staleness grid (Mayor et al. 2025: envs x rollout length x epochs, here x lag) ---------------------
 GRID_BATCH = 512  # env steps per update in every cell: more envs means shorter rollouts

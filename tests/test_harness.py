@@ -194,3 +194,23 @@ def test_an_installed_package_entry_point_is_found_by_name(tmp_path, monkeypatch
     assert "outside-fix" in registry.names("stabilizer") and "toy-task" in registry.names("task")
     assert registry.make_stabilizer("outside-fix").name == "outside-fix"
     assert registry.get_task("toy-task").id == "toy"
+
+
+def test_a_named_grid_expands_into_one_trial_per_cell_and_seed():
+    spec = ExperimentSpec(tier="quick", tasks=("parallel-staleness",), methods=("baseline",), seeds=2,
+                          grid="staleness")
+    trials = spec.trials()
+    cells = {t.knobs for t in trials}
+    assert len(cells) == 18 and len(trials) == 36  # 3 env counts x 3 epoch counts x 2 lags, 2 seeds each
+    assert all(dict(k)["num_envs"] * dict(k)["num_steps"] == 512 for k in cells)  # batch fixed across cells
+    with pytest.raises(StabenchError, match="has no grid named 'nope'"):
+        ExperimentSpec(tier="quick", tasks=("parallel-staleness",), grid="nope").trials()
+    with pytest.raises(StabenchError, match="no requested task has a grid named 'nope2'"):
+        ExperimentSpec(tier="smoke", tasks=(f"{TOY}:ToyTask", "parallel-staleness"), grid="nope2").trials()
+
+
+def test_a_trial_with_knobs_records_its_cell():
+    table = run_trial(TrialSpec("parallel-staleness", "baseline", 0, "smoke", knobs=(("lag", 4),)))
+    assert (table["cell"] == "lag=4").all() and (table["knob_lag"] == 4).all()
+    result = scoring.outcomes(table)
+    assert set(result["task"]) == {"parallel-staleness [lag=4]"}
