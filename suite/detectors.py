@@ -152,6 +152,10 @@ class RandomAlarm(Detector):
     def for_task(cls, task: Task, budget: Budget) -> RandomAlarm:
         return cls(seed=zlib.crc32(task.id.encode()))
 
+    def reseed(self, run_key: str) -> None:
+        """Each run gets its own stream (one shared stream would make every run lucky or unlucky at once)."""
+        self.rng = random.Random(zlib.crc32(run_key.encode()))
+
     def update(self, row: Mapping[str, float]) -> bool:
         return self.rng.random() < self.rate
 

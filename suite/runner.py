@@ -223,6 +223,8 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
         frame["diverged_at"] = frame["diverged_at"].max()
         for det_ref in spec.detectors:
             detector = registry.make_detector(det_ref, task, budget)
+            if hasattr(detector, "reseed"):
+                detector.reseed(f"{task.id}|{cell_name(spec.knobs)}|{spec.seed}|{variant}")
             name = registry.resolve_class("detector", det_ref).name
             frame[f"alarm/{name}"] = [bool(detector.update(r)) for r in frame.to_dict("records")]
         frame["variant"] = variant
