@@ -80,8 +80,10 @@ def post_onset_drawdown(rows: pd.DataFrame, task: Task, onset: int) -> float:
 
 
 def _plain(value: object) -> object:
-    """A numpy scalar read back from parquet as the Python value a task's constructor expects."""
-    return value.item() if hasattr(value, "item") else value
+    """A numpy scalar read back from parquet as the Python value a task's constructor expects (a table
+    that joins runs with and without knobs stores integer knobs as floats: 16.0 is the knob 16)."""
+    value = value.item() if hasattr(value, "item") else value
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def outcomes(table: pd.DataFrame) -> pd.DataFrame:
