@@ -150,21 +150,34 @@ def kl_estimator_means(state: TrainState) -> dict[str, float]:
 
 @diagnostic("churn")
 def churn(state: TrainState) -> dict[str, float]:
-    """Policy and value churn on held-out states, per gradient update (Schaul et al. 2022).
+    """Policy and value churn on a fixed set of held-out states, per gradient update (Schaul et al. 2022).
 
     Reads `extras["heldout_q"]`, a tensor (U + 1) x S x A of Q on S held-out states before each of the
-    iteration's U updates and after the last. Columns: `policy_churn`, the share of held-out states whose
-    greedy action argmax_a Q changes across one update, averaged over the U updates; `value_churn`, the mean
-    |dQ| over states and actions across one update; `policy_churn_iter`, the share whose greedy action
-    differs between the start and the end of the iteration. NaN when no update ran.
+    iteration's U updates and after the last, and, when present, `extras["heldout_in_batch"]` (U x S, True
+    where a held-out state's observation is in that update's batch). Columns:
+    - `policy_churn`: share of held-out states whose greedy action argmax_a Q changes across one update,
+      averaged over the U updates;
+    - `policy_churn_out`: the same, counting only the states outside that update's batch (Schaul et al.'s
+      out-of-batch churn; NaN without the mask);
+    - `value_churn`: mean |dQ| over held-out states and actions across one update;
+    - `policy_churn_iter`: share whose greedy action differs between the start and the end of the iteration.
+    All NaN when no update ran.
     """
     q = state.extras.get("heldout_q")
     if q is None or q.shape[0] < 2:
-        return {"policy_churn": math.nan, "value_churn": math.nan, "policy_churn_iter": math.nan}
+        return {"policy_churn": math.nan, "policy_churn_out": math.nan, "value_churn": math.nan,
+                "policy_churn_iter": math.nan}
     q = q.detach()
     greedy = q.argmax(-1)
+    flips = greedy[1:] != greedy[:-1]  # U x S
+    mask = state.extras.get("heldout_in_batch")
+    if mask is not None and mask.shape == flips.shape and bool((~mask).any()):
+        out = float((flips & ~mask).sum() / (~mask).sum())
+    else:
+        out = math.nan
     return {
-        "policy_churn": float((greedy[1:] != greedy[:-1]).float().mean()),
+        "policy_churn": float(flips.float().mean()),
+        "policy_churn_out": out,
         "value_churn": float((q[1:] - q[:-1]).abs().mean()),
         "policy_churn_iter": float((greedy[-1] != greedy[0]).float().mean()),
     }

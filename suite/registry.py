@@ -22,6 +22,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "kl-estimator-bias": "tasks.kl_estimator_bias:KLEstimatorBias",
     "parallel-staleness": "tasks.parallel_staleness:ParallelStaleness",
     "representation-collapse": "tasks.representation_collapse:RepresentationCollapse",
+    "policy-churn": "tasks.policy_churn:PolicyChurn",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -36,6 +37,7 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "dual-clip": "baselines.stabilizers.staleness:DualClip",
     "isotropic-gaussian": "baselines.stabilizers.isotropic:IsotropicGaussian",
     "entropy-bonus": "baselines.stabilizers.isotropic:EntropyBonus",
+    "chain": "baselines.stabilizers.chain:Chain",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {

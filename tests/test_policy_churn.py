@@ -1,0 +1,204 @@
+"""policy-churn: the churn diagnostic, CHAIN's regularizer, the DQN trainer's hooks, the world and the knobs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env
+
+from baselines.dqn import DQN, DQNConfig, QNetwork, q_spec
+from baselines.stabilizers.chain import Chain, chain_regularizer
+from suite import registry
+from suite.api import Diverged, StabenchError, Stabilizer, TrainState
+from suite.diagnostics import DIAGNOSTICS
+from tasks.grids import make_vector_env
+from tasks.policy_churn import ENV_ID, PolicyChurn, frozen_units, optimal_return, state_table
+
+pytestmark = pytest.mark.smoke
+torch.set_num_threads(1)
+
+TINY = DQNConfig(num_envs=2, num_steps=8, updates_per_iteration=3, batch_size=8, ref_batch_size=4,
+                 buffer_size=64, learning_starts=0, target_every=2, seed=0)
+
+
+def same_rows(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a.keys() == b.keys() and all((math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a)
+
+
+def test_churn_diagnostic_counts_known_flips() -> None:
+    # Q(s) = s @ W on 10 one-hot held-out states; the update raises action 1 above action 0 on exactly 3 of them.
+    states = torch.eye(10)
+    w0 = torch.zeros(10, 3)
+    w0[:, 0] = 1.0
+    w1 = w0.clone()
+    w1[[2, 5, 7], 1] = 2.0
+    w2 = w1.clone()  # a second update that changes nothing
+    q = torch.stack([states @ w0, states @ w1, states @ w2])
+    row = DIAGNOSTICS["churn"](TrainState(model=torch.nn.Identity(), batch={}, grads={}, losses={},
+                                          extras={"heldout_q": q}))
+    assert row["policy_churn"] == pytest.approx((0.3 + 0.0) / 2)  # per update, averaged over the two updates
+    assert row["policy_churn_iter"] == pytest.approx(0.3)
+    assert row["value_churn"] == pytest.approx((3 * 2.0 / 30 + 0.0) / 2)
+    empty = DIAGNOSTICS["churn"](TrainState(model=torch.nn.Identity(), batch={}, grads={}, losses={}))
+    assert all(math.isnan(v) for v in empty.values())  # missing, never zero
+
+
+def test_chain_regularizer_zero_iff_q_unchanged() -> None:
+    q = torch.randn(5, 3)
+    assert float(chain_regularizer(q, q.clone())) == 0.0
+    assert float(chain_regularizer(q + 0.1, q)) == pytest.approx(0.01)
+
+    for auto in (False, True):
+        torch.manual_seed(0)
+        net = QNetwork(q_spec(147, 3, 8, 1))
+        chain = Chain()
+        chain.auto = auto
+        chain.model(net, net.spec)
+        batch = {"ref_obs": torch.rand(6, 147)}
+        td = {"td": torch.tensor(0.5)}
+        first = chain.loss(dict(td), batch)
+        assert set(first) == {"td", "chain"} and float(first["chain"].detach()) == 0.0  # Q_prev = Q at first
+        again = chain.loss(dict(td), batch)
+        assert float(again["chain"].detach()) == 0.0  # no step was taken in between
+        with torch.no_grad():
+            net.head.bias.add_(0.3)  # "an update" that moves every Q by 0.3
+        moved = chain.loss(dict(td), batch)
+        # fixed: lambda * 0.3^2; automatic: lambda = beta * mean|L_td| / mean(L_reg) over 3 calls = beta * 0.5 / 0.03
+        lam = chain.beta * 0.5 / (0.09 / 3) if auto else chain.lam
+        assert float(moved["chain"].detach()) == pytest.approx(lam * 0.09, rel=1e-4)
+        moved["chain"].backward()
+        assert net.head.bias.grad is not None and float(net.head.bias.grad.abs().sum()) > 0
+        settled = chain.loss(dict(td), batch)  # Q_prev is now the moved network
+        assert float(settled["chain"].detach()) == 0.0
+
+
+class Recording(Stabilizer):
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def model(self, model, spec):
+        self.calls.append("model")
+        return model
+
+    def optimizer(self, optimizer, model):
+        self.calls.append("optimizer")
+        return optimizer
+
+    def loss(self, terms, batch):
+        self.calls.append("loss")
+        assert set(terms) == {"td"}
+        assert {"obs", "actions", "rewards", "next_obs", "terminated", "td_target", "ref_obs"} <= set(batch)
+        return terms
+
+    def after_backward(self, model):
+        self.calls.append("after_backward")
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_dqn_hooks_order_and_train_state() -> None:
+    torch.manual_seed(0)
+    rec = Recording()
+    heldout = state_table().obs[:7]
+    dqn = DQN(make_vector_env(ENV_ID, TINY.num_envs), QNetwork(q_spec(147, 3, 16, 1)), TINY, rec, heldout_obs=heldout)
+    assert rec.calls == ["model", "optimizer"]
+    state = dqn.iterate()
+    assert rec.calls[2:] == ["loss", "after_backward"] * TINY.updates_per_iteration
+    assert state.extras["global_step"] == TINY.num_envs * TINY.num_steps
+    assert state.extras["heldout_q"].shape == (TINY.updates_per_iteration + 1, 7, 3)
+    assert state.extras["heldout_in_batch"].shape == (TINY.updates_per_iteration, 7)
+    row = DIAGNOSTICS["churn"](state)
+    assert 0.0 <= row["policy_churn"] <= 1.0 and row["value_churn"] > 0
+    assert set(state.grads) == {n for n, _ in dqn.model.named_parameters()}
+    assert 0.0 < state.losses["entropy"] <= math.log(3) + 1e-6
+    assert state.batch["ref_obs"].shape == (TINY.ref_batch_size, 147)
+
+
+def test_dqn_raises_diverged_on_non_finite_loss() -> None:
+    class Poison(Stabilizer):
+        def loss(self, terms, batch):
+            return {**terms, "poison": torch.tensor(float("nan"))}
+
+    torch.manual_seed(0)
+    dqn = DQN(make_vector_env(ENV_ID, TINY.num_envs), QNetwork(q_spec(147, 3, 16, 1)), TINY, Poison())
+    with pytest.raises(Diverged):
+        dqn.iterate()
+
+
+def test_rows_deterministic_per_seed_and_branching() -> None:
+    task = PolicyChurn()
+    assert all(name in DIAGNOSTICS for name in task.diagnostics)
+    rows = []
+    for global_seed in (123, 456):
+        torch.manual_seed(global_seed)  # the global torch state must not matter
+        run = task.build("smoke", 1, registry.make_stabilizer("chain"))
+        rows.append([run.step(i >= 2) for i in range(3)])
+    assert all(same_rows(x, y) for x, y in zip(*rows))
+    row = rows[0][-1]
+    for col in ("step", "return", "entropy", "policy_churn", "value_churn", task.ground_truth.metric,
+                task.detector.metric):
+        assert col in row and math.isfinite(row[col])
+    assert 0.0 <= row["return"] <= task.return_ceiling + 1e-9
+
+    run = task.build("smoke", 0, Stabilizer())
+    run.step(False)
+    a, b = copy.deepcopy(run), copy.deepcopy(run)
+    assert same_rows(a.step(True), b.step(True))
+    lr = task.knobs.lr_mult * run.cfg.learning_rate
+    assert a.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    assert run.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(run.cfg.learning_rate)  # untouched
+
+
+@pytest.mark.filterwarnings("ignore:.*different from the unwrapped version")
+def test_world_passes_check_env_and_table_matches_env() -> None:
+    env = gym.make(ENV_ID)
+    check_env(env.unwrapped, skip_render_check=True)
+    check_env(env, skip_render_check=True)
+    table = state_table()
+    assert len(table.states) == 15 * 4  # 4 x 4 interior cells minus the goal, 4 directions
+    index = {st: i for i, st in enumerate(table.states)}
+    rng = np.random.default_rng(0)
+    for episode in range(5):  # driving the real env agrees with the table's observations and transitions
+        obs, _ = env.reset(seed=episode)
+        base = env.unwrapped
+        s = index[(int(base.agent_pos[0]), int(base.agent_pos[1]), int(base.agent_dir))]
+        for _ in range(20):
+            assert torch.equal(table.obs[s], torch.as_tensor(obs))
+            a = int(rng.integers(3))
+            obs, _, terminated, truncated, _ = env.step(a)
+            s = int(table.next_state[s, a])
+            if terminated:
+                assert s == -1
+                break
+            assert s == index[(int(base.agent_pos[0]), int(base.agent_pos[1]), int(base.agent_dir))]
+    # the optimal policy's exact return is the ceiling; a policy that only turns never arrives
+    assert PolicyChurn.return_ceiling == pytest.approx(optimal_return(), abs=1e-9)
+    dist = table.greedy_steps(np.full(len(table.obs), 2))  # always forward: only states facing the goal arrive
+    assert np.isfinite(dist).sum() > 0 and np.isinf(dist).sum() > 0
+    assert table.greedy_return(np.zeros(len(table.obs), dtype=np.int64)) == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{"updates_mult": 0}, {"updates_mult": 2.5}, {"lr_mult": 0.0},
+                                    {"lr_mult": float("inf")}, {"ramp": -1}, {"onset": 0}, {"onset": 60},
+                                    {"onset": 2.5}, {"updates_mult": True}, {"bogus": 1}])
+def test_knob_validation(kwargs: dict) -> None:
+    with pytest.raises(StabenchError):
+        PolicyChurn(**kwargs)
+
+
+def test_intensity_grid_and_frozen_units() -> None:
+    cells = PolicyChurn().grid("intensity", "quick")
+    assert len(cells) == 10 and all(PolicyChurn(**cell).knobs.lr_mult == cell["lr_mult"] for cell in cells)
+    with pytest.raises(StabenchError):
+        PolicyChurn().grid("no-such-grid", "quick")
+    assert PolicyChurn(onset=30).budget("quick").onset == 30 and PolicyChurn(onset=30).budget("smoke").onset == 2
+    varying = torch.linspace(-0.5, 0.5, 60)[:, None]
+    saturated = torch.full((60, 1), 0.999)
+    assert frozen_units([torch.cat([varying, saturated, varying], 1)]) == pytest.approx(1 / 3)
+    assert math.isnan(frozen_units([]))
