@@ -23,7 +23,7 @@ from suite import scoring
 from suite.api import StabenchError
 
 PAPER = Path("paper")
-DEFAULT_RESULTS = Path("results/quick")
+DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid")]
 ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
 
 
@@ -465,15 +465,17 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     (out / "tables").mkdir(parents=True, exist_ok=True)
     _setup()
     written: list[Path] = []
+    # grid cells (rows with knobs) feed only the grid's own figure; everything else reads default runs
+    main = table[table["cell"].fillna("") == ""] if "cell" in table else table
     for number, (title, draw) in enumerate(FIGURES, start=1):
         try:
-            paths = draw(table, out)
+            paths = draw(table if draw is fig_staleness else main, out)
         except Skip as why:
             log(f"[{number:>2}/{len(FIGURES)}] {title}: skipped: {why}")
             continue
         written += paths
         log(f"[{number:>2}/{len(FIGURES)}] {title}: {paths[0].with_suffix('.{pdf,png}')}")
-    values = write_tables(table, out)
+    values = write_tables(main, out)
     written += sorted((out / "tables").glob("*"))
     text = render_text(values, out)
     if text:

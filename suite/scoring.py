@@ -90,8 +90,8 @@ def outcomes(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (task, method, seed, variant): failed, post-onset return, normalized return."""
     rows = []
     tasks: dict[str, Task] = {}
-    if "cell" not in table:
-        table = table.assign(cell="")
+    # runs without knobs have an empty cell (NaN when joined with a grid; groupby would drop NaN keys)
+    table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     keys = ["task", "cell", "method", "seed", "variant"]
     for (task_id, cell, method, seed, variant), run in table.groupby(keys, sort=True):
         ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
@@ -232,8 +232,7 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.seed, r.variant): r.failed for r in per_run[per_run["role"] == "baseline"].itertuples()}
     base = table[table["role"] == "baseline"]
-    if "cell" not in base:
-        base = base.assign(cell="")
+    base = base.assign(cell=base["cell"].fillna("") if "cell" in base else "")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     rows = []
     for (name, cell), task_rows in base.groupby(["task", "cell"], sort=True):
