@@ -202,6 +202,23 @@ class Task:
     # after onset (set from how fast the task's failure measurably develops; later alarms are misses).
     detection_window: ClassVar[float] = 0.25
     experimental: ClassVar[bool] = False
+    # Optional: a dataclass of constructor knobs with a `check(horizon)` method raising StabenchError and an
+    # optional `onset` field overriding the tiers' onsets (smoke excepted). The task then sets `self.knobs`.
+    knobs_type: ClassVar[type | None] = None
+
+    def __init__(self, **knobs: Any) -> None:
+        if self.knobs_type is None:
+            if knobs:
+                raise StabenchError(f"task {self.id!r} takes no knobs, got {', '.join(sorted(knobs))}")
+            return
+        from dataclasses import fields
+
+        known = [f.name for f in fields(self.knobs_type)]
+        unknown = sorted(set(knobs) - set(known))
+        if unknown:
+            raise StabenchError(f"{self.id}: unknown knob {', '.join(unknown)}; known: {', '.join(known)}")
+        self.knobs = self.knobs_type(**knobs)
+        self.knobs.check(min(b.iterations for tier, b in self.budgets.items() if tier != "smoke"))
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> Run:
         raise NotImplementedError
@@ -213,7 +230,11 @@ class Task:
     def budget(self, tier: str) -> Budget:
         if tier not in self.budgets:
             raise StabenchError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
-        return self.budgets[tier]
+        base = self.budgets[tier]
+        onset = getattr(getattr(self, "knobs", None), "onset", None)
+        if onset is None or tier == "smoke":
+            return base
+        return Budget(base.iterations, onset, base.seeds, base.report_every)
 
     def role(self, method: str) -> str:
         if method == "baseline":

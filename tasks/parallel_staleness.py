@@ -373,19 +373,7 @@ class ParallelStaleness(Task):
     return_floor = 0.0
     return_ceiling = 0.79
 
-    def __init__(self, **knobs: Any) -> None:
-        known = [f.name for f in fields(Knobs)]
-        unknown = sorted(set(knobs) - set(known))
-        if unknown:
-            raise StabenchError(f"parallel-staleness: unknown knob {', '.join(unknown)}; known: {', '.join(known)}")
-        self.knobs = Knobs(**knobs)
-        self.knobs.check(min(b.iterations for tier, b in self.budgets.items() if tier != "smoke"))
-
-    def budget(self, tier: str) -> Budget:
-        base = super().budget(tier)
-        if self.knobs.onset is None or tier == "smoke":
-            return base
-        return Budget(base.iterations, self.knobs.onset, base.seeds, base.report_every)
+    knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> ParallelStalenessRun:
         budget = self.budget(tier)

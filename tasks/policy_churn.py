@@ -87,7 +87,7 @@ at quick (healthy phase plus both branches; CHAIN the slowest), 13-15 s at full.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
@@ -303,19 +303,7 @@ class PolicyChurn(Task):
     return_ceiling = 0.89875  # optimal_return(): the exact optimum from the uniform random start (tested)
     experimental = True
 
-    def __init__(self, **knobs: Any) -> None:
-        known = [f.name for f in fields(Knobs)]
-        unknown = sorted(set(knobs) - set(known))
-        if unknown:
-            raise StabenchError(f"policy-churn: unknown knob {', '.join(unknown)}; known: {', '.join(known)}")
-        self.knobs = Knobs(**knobs)
-        self.knobs.check(min(b.iterations for tier, b in self.budgets.items() if tier != "smoke"))
-
-    def budget(self, tier: str) -> Budget:
-        base = super().budget(tier)
-        if self.knobs.onset is None or tier == "smoke":
-            return base
-        return Budget(base.iterations, self.knobs.onset, base.seeds, base.report_every)
+    knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> PolicyChurnRun:
         self.budget(tier)  # validates the tier
