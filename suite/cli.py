@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_score)
 
     p = sub.add_parser("paper", help="rebuild the paper's figures, tables and text from raw results")
-    p.add_argument("dirs", nargs="*", help="run folders (default: results/quick and results/staleness-grid)")
+    p.add_argument("dirs", nargs="*", help="run folders (default: the committed results under results/)")
     p.add_argument("--rerun", action="store_true", help="run the quick tier first and build from it")
     p.add_argument("--out", default="paper", help="the paper folder (default: paper)")
     p.set_defaults(fn=cmd_paper)

@@ -23,7 +23,8 @@ from suite import scoring
 from suite.api import StabenchError
 
 PAPER = Path("paper")
-DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid")]
+DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
+                   Path("results/experimental/representation-collapse"), Path("results/experimental/policy-churn")]
 ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
 
 
