@@ -20,7 +20,6 @@ import socket
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -492,7 +491,3 @@ def write_atomic(table: pd.DataFrame, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     table.to_parquet(tmp, index=False)
     os.replace(tmp, path)
-
-
-def format_exception() -> str:
-    return traceback.format_exc(limit=3)
