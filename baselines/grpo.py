@@ -3,15 +3,21 @@
 One `iterate` call is one GRPO iteration:
 
 1. Rollout: for each of `n_groups` prompts sample `group_size` answers from the policy (no gradient).
-2. Reward each answer with the task's reward function: R_i, one scalar per answer.
+2. Reward each answer with the task's reward function: R_i, one scalar per answer. A reward function may
+   return a dict instead: "reward" [B] and other per-answer tensors, which join the batch the hooks see
+   (a reward-model ensemble's predictions, say).
 3. Group-normalized advantage A_i = (R_i - mean_group R) / (std_group R + eps), broadcast to every token
-   of answer i, then `stabilizer.advantages(A, batch)`.
-4. `epochs` updates on the batch (default 1, on-policy). Per token, with r = pi / pi_old:
+   of answer i, then `stabilizer.advantages(A, batch)`. Variants: `baseline="batch"` subtracts the
+   batch mean instead of the group mean (REINFORCE with a batch-mean baseline); `std_normalize=False`
+   drops the division by the group std (Dr. GRPO).
+4. `epochs` passes over the batch, each in `minibatches` Adam steps on disjoint sets of whole groups
+   (default 1 x 1: one on-policy update). Per token, with r = pi / pi_old:
      policy term  -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
      KL term      k3 = exp(d) - 1 - d, d = log ref - log pi  (TRL's default regularizer),
                   through `stabilizer.kl_loss(k3, batch)`
-   Each is aggregated over the answer tokens (`token-mean`: sum over all tokens / number of tokens;
-   `seq-mean`: mean over answers of each answer's token mean) into
+   Each is aggregated over the minibatch's answer tokens as sum(per_token * token_weight), the weights
+   set by `aggregation` (`token-mean`: 1 / number of tokens; `seq-mean`: 1 / (answers x |o_i|), the
+   length-biased GRPO normalization; `constant`: 1 / (answers x answer_len), Dr. GRPO) into
      terms = {"policy": ..., "kl": beta * ...}, then `stabilizer.loss(terms, batch)`;
    the sum is minimized: backward, `stabilizer.after_backward(policy)`, Adam step.
 `stabilizer.model` and `stabilizer.optimizer` are called once, when the trainer is built.
@@ -20,10 +26,15 @@ The batch the hooks receive (tensors; [B] per answer, [B, L] per token; B = n_gr
   prompts [B, P], answers [B, L], mask [B, L] (1.0 on real answer tokens), rewards [B], group [B]
   (group index), logp [B, L] (log pi of the sampled tokens: detached in `advantages`, carrying the
   graph of the current update in `kl_loss` and `loss`), old_logp [B, L] (at sampling time),
-  ref_logp [B, L] (frozen reference), kl_coef (0-d tensor, beta).
+  ref_logp [B, L] (frozen reference), kl_coef (0-d tensor, beta). In `kl_loss` and `loss` the batch is
+  the minibatch being updated and also holds advantages [B, L] (after the stabilizer), token_weight
+  [B, L] (the aggregation weights: a stabilizer that rewrites the policy term aggregates it as
+  sum(per_token * token_weight), like the trainer) and clip_low, clip_high (0-d tensors).
 The returned `TrainState.batch` holds the same keys, all detached; `extras` holds `entropy` (mean token
 entropy of the policy at sampling time), `full_vocab_kl` [B, L] (exact per-token KL(pi || ref) summed
-over the vocabulary at each sampled prefix) and `advantages` [B, L] (after the stabilizer).
+over the vocabulary at each sampled prefix), `advantages` [B, L] (after the stabilizer),
+`minibatch_grads` (one flat gradient vector per minibatch step of the last epoch: what a gradient-
+variance diagnostic reads) and `answer_len` [B] (tokens up to and including EOS).
 Task specifics (prompts, reward, answer length, the model) stay in the task.
 """
 
@@ -50,19 +61,36 @@ class GRPOConfig:
     lr: float = 1e-2  # Adam
     beta: float = 0.5  # KL coefficient
     adv_eps: float = 1e-4  # A = (R - mean) / (std + adv_eps)
-    epochs: int = 1  # updates per batch; with 1 the ratio is 1 and the clip never binds
+    epochs: int = 1  # passes over the batch; with 1 pass and 1 minibatch the ratio is 1 and the clip never binds
+    minibatches: int = 1  # Adam steps per pass, each on n_groups / minibatches whole groups
     clip_low: float = 0.2
     clip_high: float = 0.2
-    aggregation: Literal["token-mean", "seq-mean"] = "token-mean"
+    baseline: Literal["group", "batch"] = "group"  # what is subtracted from R
+    std_normalize: bool = True  # divide by the group std (GRPO); False: Dr. GRPO
+    aggregation: Literal["token-mean", "seq-mean", "constant"] = "token-mean"
     eos_id: int | None = None  # None: every answer has exactly answer_len tokens
     seed: int = 0  # seeds the sampler's numpy Generator
 
 
+def token_weights(mask: torch.Tensor, how: str) -> torch.Tensor:
+    """Weights [B, L] such that sum(per_token * weights) is the aggregated loss of a batch of answers."""
+    if how == "token-mean":
+        return mask / mask.sum().clamp_min(1)
+    if how == "seq-mean":
+        return mask / (mask.sum(1, keepdim=True).clamp_min(1) * mask.shape[0])
+    if how == "constant":
+        return mask / mask.numel()
+    raise ValueError(f"unknown aggregation {how!r}")
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+    """sum(per_token * token_weights(mask, how)), computed in the order of each definition."""
     if how == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp_min(1)
     if how == "seq-mean":
         return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).mean()
+    if how == "constant":
+        return (per_token * mask).sum() / mask.numel()
     raise ValueError(f"unknown aggregation {how!r}")
 
 
@@ -93,14 +121,20 @@ class GRPO:
         # 1-2. Rollout and reward.
         answers = sample_answers(self.policy, prompts, cfg.answer_len, cfg.n_actions, self.rng)
         mask = answer_mask(answers, cfg.eos_id)
-        rewards = reward_fn(prompts, answers).float()
+        scored = reward_fn(prompts, answers)
+        extra: dict[str, torch.Tensor] = {}
+        if isinstance(scored, dict):  # {"reward": [B], other per-answer tensors the hooks may read}
+            extra = {k: v for k, v in scored.items() if k != "reward"}
+            scored = scored["reward"]
+        rewards = scored.float()
         with torch.no_grad():
             ref_logits = answer_logits(self.reference, prompts, answers, cfg.n_actions)
         ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, answers[..., None]).squeeze(-1)
 
         # 3. Group-normalized advantages, broadcast to tokens.
         r = rewards.view(cfg.n_groups, cfg.group_size)
-        adv_answer = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + cfg.adv_eps)).view(-1)
+        centred = r - (r.mean(1, keepdim=True) if cfg.baseline == "group" else r.mean())
+        adv_answer = (centred / (r.std(1, keepdim=True) + cfg.adv_eps) if cfg.std_normalize else centred).view(-1)
         adv = adv_answer[:, None].expand_as(mask) * mask
 
         logits = answer_logits(self.policy, prompts, answers, cfg.n_actions)
@@ -110,39 +144,51 @@ class GRPO:
         group = torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size)
         batch = {
             "prompts": prompts, "answers": answers, "mask": mask, "rewards": rewards, "group": group,
-            "logp": old_logp, "old_logp": old_logp, "ref_logp": ref_logp, "kl_coef": torch.tensor(cfg.beta),
+            "logp": old_logp, "old_logp": old_logp, "ref_logp": ref_logp, "kl_coef": torch.tensor(cfg.beta), **extra,
         }  # fmt: skip
         adv = self.stabilizer.advantages(adv, batch).detach()
 
-        # 4. Updates.
+        # 4. Updates: `epochs` passes, each in `minibatches` steps over disjoint sets of whole groups.
+        batch["advantages"] = adv
+        batch["clip_low"], batch["clip_high"] = torch.tensor(cfg.clip_low), torch.tensor(cfg.clip_high)
+        chunks = torch.arange(len(answers)).chunk(cfg.minibatches)
         for epoch in range(cfg.epochs):
-            if epoch > 0:
-                logits = answer_logits(self.policy, prompts, answers, cfg.n_actions)
-                logp = torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1)
-            batch["logp"] = logp
-            ratio = torch.exp(logp - old_logp)
-            policy_tok = -torch.min(ratio * adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
-            d = ref_logp - logp
-            k3 = torch.expm1(d) - d
-            kl_tok = self.stabilizer.kl_loss(k3, batch)
-            terms = {
-                "policy": aggregate(policy_tok, mask, cfg.aggregation),
-                "kl": cfg.beta * aggregate(kl_tok, mask, cfg.aggregation),
-            }
-            terms = self.stabilizer.loss(terms, batch)
-            loss = sum(terms.values())
-            if not torch.isfinite(loss):
-                raise Diverged(f"non-finite GRPO loss at iteration {self.iteration}: {float(loss)}")
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.stabilizer.after_backward(self.policy)
-            grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
-            self.optimizer.step()
+            minibatch_grads = []
+            for rows in chunks:
+                mb = {k: v[rows] if v.dim() > 0 else v for k, v in batch.items()}
+                mb_mask = mask[rows]
+                mb["token_weight"] = token_weights(mb_mask, cfg.aggregation)
+                if epoch > 0 or len(chunks) > 1:
+                    logits = answer_logits(self.policy, mb["prompts"], mb["answers"], cfg.n_actions)
+                    logp = torch.log_softmax(logits, -1).gather(-1, mb["answers"][..., None]).squeeze(-1)
+                mb["logp"] = logp
+                ratio = torch.exp(logp - mb["old_logp"])
+                mb_adv = mb["advantages"]
+                policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * mb_adv)
+                d = mb["ref_logp"] - logp
+                k3 = torch.expm1(d) - d
+                kl_tok = self.stabilizer.kl_loss(k3, mb)
+                terms = {
+                    "policy": aggregate(policy_tok, mb_mask, cfg.aggregation),
+                    "kl": cfg.beta * aggregate(kl_tok, mb_mask, cfg.aggregation),
+                }
+                terms = self.stabilizer.loss(terms, mb)
+                loss = sum(terms.values())
+                if not torch.isfinite(loss):
+                    raise Diverged(f"non-finite GRPO loss at iteration {self.iteration}: {float(loss)}")
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.stabilizer.after_backward(self.policy)
+                grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
+                minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]))
+                self.optimizer.step()
 
         self.iteration += 1
         self.tokens += int(mask.sum())
         batch["logp"] = old_logp
         extras = {
+            "minibatch_grads": minibatch_grads,
+            "answer_len": mask.sum(1),
             "entropy": float((categorical_entropy(sampling_logits) * mask).sum() / mask.sum().clamp_min(1)),
             "full_vocab_kl": exact_kl(sampling_logits, ref_logits),
             "advantages": adv,

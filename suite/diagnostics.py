@@ -206,3 +206,101 @@ def spectrum(state: TrainState) -> dict[str, float]:
     row = {name: p[i] if i < len(p) else 0.0 for i, name in enumerate(names)}
     row["effective_rank"] = effective_rank(z)
     return row
+
+
+# --- Token-family diagnostics: pure functions on tensors, then the registered readers of a TrainState. ----
+def gradient_variance(grads: list[torch.Tensor]) -> tuple[float, float]:
+    """Spread of the policy gradient across minibatches of one iteration.
+
+    With flat per-minibatch gradients g_1..g_K and their mean g: the trace of their unbiased sample
+    covariance, sum_k ||g_k - g||^2 / (K - 1), and that trace relative to ||g||^2 (a noise-to-signal
+    ratio: above 1 the minibatches disagree more than they agree). NaN for fewer than two minibatches.
+    """
+    if len(grads) < 2:
+        return math.nan, math.nan
+    g = torch.stack([x.detach().double() for x in grads])
+    mean = g.mean(0)
+    trace = float((g - mean).pow(2).sum() / (len(grads) - 1))
+    signal = float(mean.pow(2).sum())
+    return trace, (trace / signal if signal > 0 else math.nan)
+
+
+def effective_sample_size(weights: torch.Tensor) -> float:
+    """Kish's effective sample size as a share of the sample: (sum w)^2 / (N sum w^2), in (0, 1]; NaN if empty."""
+    w = weights.detach().double().reshape(-1)
+    if w.numel() == 0 or float(w.pow(2).sum()) == 0:
+        return math.nan
+    return float(w.sum().pow(2) / (w.numel() * w.pow(2).sum()))
+
+
+def ratio_tails(ratio: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(99th percentile, Kish ESS share) of the importance ratios where `mask` is true; NaN where none are."""
+    selected = ratio.detach().double()[mask.bool()]
+    if selected.numel() == 0:
+        return math.nan, math.nan
+    return float(torch.quantile(selected, 0.99)), effective_sample_size(selected)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 for a perfect critic, 0 for a constant one, NaN if Var = 0."""
+    v, r = values.detach().double().reshape(-1), returns.detach().double().reshape(-1)
+    var = float(r.var(unbiased=False))
+    return 1 - float((r - v).var(unbiased=False)) / var if var > 0 else math.nan
+
+
+@diagnostic("grad_variance")
+def grad_variance(state: TrainState) -> dict[str, float]:
+    """`grad_var` and `grad_var_rel` (see `gradient_variance`) over `extras["minibatch_grads"]`."""
+    trace, rel = gradient_variance(state.extras.get("minibatch_grads") or [])
+    return {"grad_var": trace, "grad_var_rel": rel}
+
+
+@diagnostic("lengths")
+def lengths(state: TrainState) -> dict[str, float]:
+    """Answer lengths (tokens up to and including EOS, from the batch mask): mean, 90th percentile, share at the cap."""
+    mask = state.batch["mask"].float()
+    n = mask.sum(1)
+    return {
+        "length_mean": float(n.mean()),
+        "length_p90": float(torch.quantile(n, 0.9)),
+        "length_cap_share": float((n >= mask.shape[1]).float().mean()),
+    }
+
+
+@diagnostic("ratio_tails")
+def ratio_tail_split(state: TrainState) -> dict[str, float]:
+    """Ratio p99 and ESS share over all tokens, tool-state tokens and text tokens.
+
+    Reads `extras["ratio"]` (per-token pi_theta / pi_behaviour after the update), `batch["mask"]` and
+    `extras["tool_mask"]` (true on tokens the policy wrote in a tool state).
+    """
+    ratio, mask = state.extras.get("ratio"), state.batch["mask"].bool()
+    if ratio is None:
+        return {f"ratio_{s}{k}": math.nan for s in ("p99", "ess") for k in ("", "_tool", "_text")}
+    tool = state.extras.get("tool_mask", torch.zeros_like(mask)).bool() & mask
+    row = {}
+    for suffix, where in (("", mask), ("_tool", tool), ("_text", mask & ~tool)):
+        row[f"ratio_p99{suffix}"], row[f"ratio_ess{suffix}"] = ratio_tails(ratio, where)
+    return row
+
+
+@diagnostic("value_fit")
+def value_fit(state: TrainState) -> dict[str, float]:
+    """Critic quality on the iteration's batch: `value_explained_variance` and `value_error` (RMSE).
+
+    Reads `extras["values"]` and `extras["returns"]` (same shape), the critic's predictions before its update.
+    """
+    v, r = state.extras.get("values"), state.extras.get("returns")
+    if v is None or r is None:
+        return {"value_explained_variance": math.nan, "value_error": math.nan}
+    err = float((v.detach().double() - r.detach().double()).pow(2).mean().sqrt())
+    return {"value_explained_variance": explained_variance(v, r), "value_error": err}
+
+
+@diagnostic("reward_disagreement")
+def reward_disagreement(state: TrainState) -> dict[str, float]:
+    """`rm_disagreement`: batch mean of the std across a reward-model ensemble, `extras["reward_ensemble"]` [M, B]."""
+    preds = state.extras.get("reward_ensemble")
+    if preds is None or preds.shape[0] < 2:
+        return {"rm_disagreement": math.nan}
+    return {"rm_disagreement": float(preds.detach().double().std(0).mean())}

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+RewardFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | dict[str, torch.Tensor]"]
 
 
 def tiny_policy(n_actions: int, max_len: int, n_embd: int = 32, n_layer: int = 1, n_head: int = 2) -> nn.Module:
