@@ -40,7 +40,8 @@ def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
 def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy in nats of the categorical distributions given by logits over the last axis."""
     logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    return -(p * logp).masked_fill(p == 0, 0.0).sum(-1)  # 0 log 0 = 0 (a -inf logit is an impossible token)
 
 
 def layer_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:
