@@ -70,6 +70,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     tasks = args.tasks or tuple(
         n for n in registry.names("task") if not registry.get_task(n).experimental
     )
+    if args.family:
+        families = {n: registry.get_task(n).family for n in registry.names("task")}
+        known = sorted(set(families.values()))
+        unknown = sorted(set(args.family) - set(known))
+        if unknown:
+            raise StabenchError(f"unknown family {', '.join(unknown)}; known: {', '.join(known)}")
+        tasks = tuple(n for n in tasks if registry.get_task(n).family in args.family)
+        if not tasks:
+            raise StabenchError(f"no requested task belongs to the family {', '.join(args.family)}")
     refs = registry.canonical
     spec = runner.ExperimentSpec(
         tier=args.tier,
@@ -181,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a sweep of task x method x variant x seed through Ray Tune")
     p.add_argument("--tier", default="quick", help="smoke, quick or full (default: quick)")
     p.add_argument("--tasks", type=_csv, help="comma-separated task ids (default: every non-experimental task)")
+    p.add_argument("--family", type=_csv, help="only the tasks of these families: reasoning, tools, grids")
     p.add_argument("--methods", type=_csv, help="comma-separated methods (default: each task's own)")
     p.add_argument("--seeds", type=int, help="seeds per task and method (default: the tier's budget)")
     p.add_argument("--stabilizer", action="append", help="a plugin FILE.py:ClassName added to every task it fits")

@@ -37,6 +37,8 @@ def run_cli(capsys, *argv):
         (["run", "--tasks", f"{TOY}:ToyTask", "--stabilizer", f"{TOY}:ClashingName"], "not used by a built-in"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--methods", "kl-max"], "does not apply to task"),
         (["run", "--tasks", f"{TOY}:NoSuchTask"], "has no 'NoSuchTask'"),
+        (["run", "--family", "poetry"], "unknown family poetry"),
+        (["run", "--tasks", "dead-layers", "--family", "reasoning"], "no requested task belongs to the family"),
         (["paper", "/no/such/dir", "--out", "{out}"], "no metrics.parquet in /no/such/dir"),
         (["verify", "/no/such/run", "--leaderboard", "{out}/lb.csv"], "is not a finished run"),
     ],
