@@ -61,7 +61,15 @@ from torch import nn
 from baselines.grpo import GRPO, GRPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import AnswerEnv, all_answers_logp, answer_logits, enumerate_answers, prefix_logp, tiny_policy
+from tasks.tokens import (
+    AnswerEnv,
+    all_answers_logp,
+    answer_logits,
+    enumerate_answers,
+    on_default_device,
+    prefix_logp,
+    tiny_policy,
+)
 
 # --- The world: 6 answer tokens, answers of 4 tokens (6**4 = 1,296 answers, all enumerable). -------------
 N_ACTIONS = 6
@@ -157,7 +165,7 @@ def _warm_up_reference() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
     prompts = torch.full((WARMUP_BATCH, 1), N_ACTIONS, dtype=torch.long)
     for _ in range(WARMUP_STEPS):
-        answers = torch.from_numpy(sample_table(table, WARMUP_BATCH, rng))
+        answers = on_default_device(sample_table(table, WARMUP_BATCH, rng))
         logits = answer_logits(model, prompts, answers, N_ACTIONS)
         loss = nn.functional.cross_entropy(logits.reshape(-1, N_ACTIONS), answers.reshape(-1))
         optimizer.zero_grad()

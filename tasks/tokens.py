@@ -26,6 +26,11 @@ from torch import nn
 RewardFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | dict[str, torch.Tensor]"]
 
 
+def on_default_device(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a tensor on torch's default device (the CPU unless a GPU run made CUDA the default)."""
+    return torch.from_numpy(array).to(torch.get_default_device())
+
+
 def tiny_policy(n_actions: int, max_len: int, n_embd: int = 32, n_layer: int = 1, n_head: int = 2) -> nn.Module:
     """A GPT-2 with `n_actions + 1` token ids (the last is BOS/EOS), no dropout, random init (seeded by torch)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -75,7 +80,7 @@ def sample_answers(
     for _ in range(length):
         logits = model(input_ids=seq, use_cache=False).logits[:, -1, :n_actions]
         cdf = torch.softmax(logits.double(), dim=-1).cumsum(-1)
-        u = torch.from_numpy(rng.random(len(seq)))[:, None] * cdf[:, -1:]
+        u = on_default_device(rng.random(len(seq)))[:, None] * cdf[:, -1:]
         token = (cdf < u).sum(-1).clamp_max(n_actions - 1)
         seq = torch.cat([seq, token[:, None]], dim=1)
     return seq[:, prompts.shape[1] :]
