@@ -98,7 +98,8 @@ class PPO:
         self.stabilizer = stabilizer if stabilizer is not None else Stabilizer()
         self.rng = np.random.default_rng(config.seed)
         self.model = self.stabilizer.model(model, getattr(model, "spec", {}))
-        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        # foreach: one fused kernel per step over all tensors instead of a Python loop (bit-identical on CPU)
+        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps, foreach=True)
         self.optimizer = self.stabilizer.optimizer(opt, self.model)
 
         self.batch_size = config.num_steps * config.num_envs
@@ -141,7 +142,7 @@ class PPO:
         cfg, model, T, N = self.cfg, self.model, self.cfg.num_steps, self.cfg.num_envs
         obs = torch.zeros((T, N) + tuple(self.next_obs.shape[1:]))
         actions = torch.zeros((T, N), dtype=torch.long)
-        logprobs, rewards, dones, values, entropies = (torch.zeros((T, N)) for _ in range(5))
+        rewards, dones, values = (torch.zeros((T, N)) for _ in range(3))
         ended: list[float] = []
         actor, lag = self.acting_model()
         behaviour_logits = []
@@ -153,7 +154,6 @@ class PPO:
                 logits, value = actor(self.next_obs)
             behaviour_logits.append(logits)
             action = self.sample(logits)
-            logprobs[t], entropies[t] = categorical_logprob_entropy(logits, action)
             values[t], actions[t] = value, action
 
             next_obs, reward, terminated, truncated, info = self.envs.step(action.numpy())
@@ -165,6 +165,7 @@ class PPO:
             if "episode" in final:
                 ended.extend(float(r) for r in final["episode"]["r"][final["_episode"]])
 
+        logprobs, entropies = categorical_logprob_entropy(torch.stack(behaviour_logits), actions)  # [T, N] each
         old_logprobs, behaviour_kl = logprobs, 0.0
         if lag > 0:  # the learner's own values and log pi_old on the actors' states, in one forward
             with torch.no_grad():
