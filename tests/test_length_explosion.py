@@ -1,0 +1,119 @@
+"""length-explosion: environment, reward and injection, the policy's rules, exact quantities, branching, stabilizers."""
+
+from __future__ import annotations
+
+import copy
+
+import gymnasium as gym
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env
+
+from baselines.grpo import aggregate
+from baselines.stabilizers.length import ConstantNorm, DrGRPO, MarkovianChunks, TokenEntropyBonus
+from suite.api import StabenchError, Stabilizer
+from tasks import length_explosion as le
+
+pytestmark = pytest.mark.smoke
+
+T, E = le.THINK, le.EOS
+
+
+def test_env_passes_check_env_and_pays_the_task_reward() -> None:
+    env = gym.make("stabench/LengthExplosion-v0")
+    check_env(env.unwrapped, skip_render_check=True)
+    obs, _ = env.reset(seed=3)
+    a, b = int(obs[0]), int(obs[1])
+    right = (a + b) % le.N_DIGITS + 1
+    assert env.step(T)[1:3] == (0.0, False) and env.step(T)[1:3] == (0.0, False)
+    assert env.step(right)[1:3] == (1.0, True)
+    corrupted = gym.make("stabench/LengthExplosion-v0", corrupted=(5 * a + b,))
+    corrupted.reset(seed=3)
+    corrupted.step(T), corrupted.step(T)
+    assert corrupted.step(right)[1:3] == (0.0, True)  # the injection: 0 whatever the answer
+
+
+def test_reward_parses_think_count_and_digit() -> None:
+    prompts = torch.tensor([[le.BOS, 3, 5]] * 4)  # a = 2, b = 4: gold (2 + 4) % 5 = 1, token 2
+    answers = torch.tensor([
+        [T, T, 2, E] + [E] * (le.ANSWER_LEN - 4),  # right after 2 THINK
+        [T, T, 3, E] + [E] * (le.ANSWER_LEN - 4),  # wrong digit
+        [T, 2, E, E] + [E] * (le.ANSWER_LEN - 4),  # under the floor
+        [T] * le.CAP + [2, E],  # right at the cap
+    ])  # fmt: skip
+    n_think, digit = le.parse(answers)
+    assert n_think.tolist() == [2, 2, 1, le.CAP] and digit.tolist() == [1, 2, 1, 1]
+    assert le.gold_reward(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0]
+    bad = torch.zeros(le.N_PROMPTS, dtype=torch.bool)
+    bad[5 * 2 + 4] = True
+    assert le.CorruptedReward(bad)(prompts, answers).tolist() == [0.0] * 4
+
+
+def test_policy_rules_and_exact_behaviour() -> None:
+    policy = le.warm_policy()
+    thinks = torch.full((le.N_PROMPTS, le.CAP + 1), T)
+    logp = torch.log_softmax(le.answer_logits(policy, le.ALL_PROMPTS, thinks, le.N_ACTIONS), -1)
+    assert torch.all(logp[:, : le.FLOOR, T] == 0)  # THINK forced below the floor
+    assert torch.all(logp[:, le.CAP, T] < -1e6)  # an answer forced at the cap
+    assert torch.all(logp[..., E] < -1e6)  # no EOS before the answer
+    mean_think, right = le.exact_behaviour(policy)
+    assert torch.all((mean_think >= le.FLOOR) & (mean_think <= le.CAP))
+    assert float(right.mean()) > 0.9  # the warm start answers right ...
+    assert 2.0 <= float(mean_think.mean()) <= 4.0  # ... after 2-4 THINK tokens
+    chunked = le.warm_policy()
+    chunked.bound_context(4, 1)
+    assert chunked.visible(torch.arange(9)).tolist() == [0, 1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def test_deepcopy_branching_and_determinism() -> None:
+    task = le.LengthExplosion()
+    budget = task.budget("smoke")
+
+    def rows(run, injected: bool, n: int) -> list[dict]:
+        return [run.step(injected) for _ in range(n)]
+
+    run = task.build("smoke", 0, Stabilizer())
+    healthy = rows(run, False, budget.onset)
+    injected, control = copy.deepcopy(run), copy.deepcopy(run)
+    inj, con = rows(injected, True, 3), rows(control, False, 3)
+    again = task.build("smoke", 0, Stabilizer())
+    assert rows(again, False, budget.onset) == healthy
+    assert rows(again, False, 3) == con  # the control continues exactly as a fresh run would
+    assert inj[0]["reward"] < con[0]["reward"]  # corrupted prompts pay nothing from onset
+    for row in healthy + inj:
+        for key in ("step", "return", "entropy", "gt_think_mean", "gold_accuracy", "length_mean", "length_cap_share"):
+            assert key in row
+
+
+def test_constant_norm_and_dr_grpo_on_a_hand_computed_batch() -> None:
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    adv = torch.tensor([[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]])
+    logp = torch.tensor([[-0.5, -1.0, -0.2, -0.3], [-0.4, -0.6, 0.0, 0.0]], requires_grad=True)
+    batch = {"logp": logp, "old_logp": logp.detach(), "advantages": adv, "mask": mask,
+             "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2)}  # fmt: skip
+    policy = ConstantNorm().loss({"policy": torch.tensor(9.0)}, batch)["policy"]
+    assert float(policy.detach()) == pytest.approx(6 / 8)  # sum of -ratio * A over the 6 real tokens / (2 x 4)
+    policy.backward()
+    assert torch.allclose(logp.grad, mask / 8)  # every real token weighs the same, long or short
+    seq_mean = aggregate(-adv, mask, "seq-mean")
+    assert float(seq_mean) == pytest.approx(1.0)  # whereas seq-mean gives 1/4 per token of the long one, 1/2 short
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    dr = DrGRPO().advantages(torch.zeros(4, 2), {"rewards": rewards, "group": torch.tensor([0, 0, 1, 1]),
+                                                  "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]] * 2)})  # fmt: skip
+    assert torch.equal(dr, torch.tensor([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]]))
+    bonus = TokenEntropyBonus().advantages(torch.zeros(1, 2), {"logp": torch.tensor([[-2.0, -1.0]]),
+                                                              "mask": torch.tensor([[1.0, 0.0]])})  # fmt: skip
+    assert torch.allclose(bonus, torch.tensor([[0.02, 0.0]]))
+
+
+def test_markovian_chunks_bounds_the_context() -> None:
+    policy = MarkovianChunks().model(le.warm_policy(), {})
+    assert policy.chunk == MarkovianChunks.chunk and policy.carry == MarkovianChunks.carry
+    with pytest.raises(StabenchError):
+        MarkovianChunks().model(torch.nn.Linear(2, 2), {})
+
+
+@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 10_000}, {"corrupted_share": 0.0}, {"fix": "x"}])
+def test_bad_knob_raises(knobs: dict) -> None:
+    with pytest.raises(StabenchError):
+        le.LengthExplosion(**knobs)
