@@ -1,0 +1,377 @@
+"""rare-tool-states: a tool's rare reply format becomes common, and PPO against the sampler's log-probs stalls there.
+
+The world (a gymnasium env, `stabench/RareToolStates-v0`, tokens in, tokens out). A query digit x (6 values);
+the policy writes a call argument (right: x); the tool writes its reply into the sequence: a format flag
+and the 3 digits res[x] of a fixed table; the policy reads the reply as tokens and writes a 3-digit answer,
+paid the share of digits equal to res[x]. In the rare format (flag ALT) the tool writes every digit shifted
+by one (mod 6), so copying the reply scores 0 and the policy must decode it. Rare replies come with
+probability 0.02 before onset (and in the control throughout), 0.6 after onset in the injected branch.
+Tokens the policy writes after a rare reply are the tool-state tokens.
+
+Policy and trainer. A 2 x 64 tanh MLP over the one-hot context (the slots written so far) emits the digits;
+it starts from a supervised warm-up that knows the usual format and, having seen rare replies only with
+random targets, is near-uniform in the tool state (exact rare-format return 0.19, usual 0.999).
+`baselines/tool_ppo.py`: 12 queries x 8 episodes per iteration, group-normalized outcome advantages, 4
+epochs over each rollout (reuse), Adam 3e-3, clip 0.2, no KL or entropy term. The sampler logs its own
+log-probs, and the baseline forms the PPO ratio against them, as an asynchronous pipeline that reuses the
+engine's log-probs does. The trigger exists only in tool states: there the sampler draws at temperature 2
+(a sampling/training mismatch confined to tool turns; on text tokens the sampler is the policy), in every
+branch and from the start; before onset it touches ~1.5% of tokens, after onset ~45%.
+
+Ground truth: the exact expected reward of the trained policy (temperature 1), by enumeration over the
+call and every answer prefix, under the branch's current rare share; failure = its mean over the last 25%
+of the run below 0.8. With 60% rare replies a policy that never learns the rare format scores at most
+0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the rare-format digits
+right: it has learned the state that became common. Floor 1/6 (random digits), ceiling 1.
+
+Mechanism, as the calibration measured it (quick tier, seeds 0-4, onset 20 of 80). At onset every method's
+return drops to 0.44-0.62 (the rare format is suddenly common and nobody knows it). The baseline then stalls:
+its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens the policy
+already prefers (pi_old > q under a flatter sampler) r > 1.2 from the first epoch and every positive-
+advantage update is clipped to zero, while on tokens it disprefers negative-advantage updates are clipped
+(r < 0.8): the policy cannot become confident in the tool state. Tail return 0.57-0.61 (control
+0.979-0.983), rare-format return 0.28-0.35; its token entropy stays HIGH (0.75-0.78, control 0.02-0.03):
+this is not an entropy collapse, the policy is held near the sampler's flattened distribution; clip
+fraction 0.18-0.23 (control 0.01). The same algorithm is healthy in the control, because the mismatch
+only touches the rare tool states there.
+
+Fixes, measured (failure rate injected / control, tail return):
+- `turn-is` (matched fix, SORL-style: the ratio against the recomputed pi_old, a detached turn-level
+  truncated weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization): 1/5 / 0/5,
+  0.63-0.90 (rare-format return 0.39-0.83; the failing seed collapsed to a deterministic partial answer).
+- `token-tis` (the token-level ablation: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token):
+  1/5 / 0/5, 0.74-0.96 (rare-format return 0.56-0.94). Turn-level granularity buys nothing here.
+- Variants of turn-is measured worse: SORL's geometric mean over the turn as the weight, 5/5 failed
+  (0.40-0.73, entropy 0.001-0.002): it under-corrects the individual tokens of a turn whose mismatches
+  differ, and before onset, on the few rare episodes (all with strongly negative group advantages), the
+  policy collapses to a deterministic answer in the tool state (control rare-format return 0.0-0.39) and,
+  with zero-variance groups, never recovers; with the trust-region ratio at the turn level as well
+  (SORL's Turn-PPO ratio) seeds 3, 4 gave 0.53, 0.40.
+- `tool-dual-clip` (the plain guard, c = 3): identical to the baseline to the last digit: ratios on
+  negative advantages never reach 3 (tool-state p99 1.5-1.6, max 2.3). The failure is not a ratio blow-up,
+  and capping large ratios does not touch it; correcting the sampler's log-probs does.
+
+Diagnostics, measured. Tool-state ratio p99 is 1.2-1.6 in EVERY branch and phase (the mismatch is always
+there), text-state p99 is 1.00: the split locates the off-policy tokens, but does not say "failing". The
+aggregate p99 rises from 1.00 to 1.55 at onset only because tool tokens become common, in the fixed runs
+too (token-tis 1.46); the aggregate ESS stays 0.93-0.97 ("averages look calm"). The clip fraction (0.01
+before onset and in the control, 0.15-0.23 after onset in baseline and fixed runs) is the default
+detector: it flags the shift of the batch into mismatched states at onset, not which method will recover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from baselines.tool_ppo import ToolPPO, ToolPPOConfig
+from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from suite.diagnostics import DIAGNOSTICS
+from tasks.tokens import on_default_device
+
+# --- The world. --------------------------------------------------------------------------------------------
+N_DIGITS = 6  # the policy emits digits 0..5; queries are digits too
+N_QUERIES = N_DIGITS
+OK, ALT, PAD = N_DIGITS, N_DIGITS + 1, N_DIGITS + 2  # reply flags and padding
+N_SYMBOLS = N_DIGITS + 3
+# Slots: 0 query x | 1 call argument a (policy) | 2 reply flag | 3-5 reply digits | 6-8 answer (policy).
+N_SLOTS = 9
+CALL_SLOT, FLAG_SLOT, REPLY_SLOTS, ANSWER_SLOTS = 1, 2, (3, 4, 5), (6, 7, 8)
+POLICY_SLOTS = (CALL_SLOT, *ANSWER_SLOTS)
+TURN_OF_SLOT = (0, 1, 1, 1)  # turn 0: the call; turn 1: the answer
+TABLE_SEED = 0
+N_INPUTS = N_SLOTS * N_SYMBOLS + len(POLICY_SLOTS)
+_SLOTS = torch.arange(N_SLOTS)
+RARE_BEFORE = 0.02  # probability of the rare reply format before onset (and in the control throughout)
+RARE_AFTER = 0.6  # ... after onset in the injected branch
+
+# --- The policy, its warm start, the trainer. -------------------------------------------------------------
+HIDDEN = 64
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, WARMUP_ALT = 300, 128, 1e-2, 0.1
+TOOL_TEMPERATURE = 2.0
+CONFIG = ToolPPOConfig(n_groups=12, group_size=8, lr=3e-3, epochs=4, minibatches=1, tool_temperature=TOOL_TEMPERATURE)
+
+
+def result_table() -> torch.Tensor:
+    """res[x]: the 3 digits the tool returns for argument x (fixed per task version), LongTensor [N_QUERIES, 3]."""
+    rng = np.random.default_rng(TABLE_SEED)
+    return on_default_device(rng.integers(0, N_DIGITS, (N_QUERIES, 3)))
+
+
+RESULTS = result_table()
+
+
+def encode(digits: torch.Tensor, alt: torch.Tensor) -> torch.Tensor:
+    """The tool's reply digits: as they are in the usual format, each shifted by one (mod 6) in the rare one."""
+    return torch.where(alt[:, None], (digits + 1) % N_DIGITS, digits)
+
+
+def answer_reward(queries: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """Share of the 3 answer digits equal to res[query] (the tool's result for the query, in the usual format)."""
+    return (answers == RESULTS[queries]).float().mean(1)
+
+
+class ToolWorld:
+    """The batched environment the trainer drives (see baselines/tool_ppo.py for the protocol)."""
+
+    n_slots, n_actions, n_queries = N_SLOTS, N_DIGITS, N_QUERIES
+    policy_slots, turn_of_slot = POLICY_SLOTS, TURN_OF_SLOT
+
+    def reset(self, queries: torch.Tensor, rng: np.random.Generator, rare_prob: float) -> tuple[torch.Tensor, dict]:
+        ctx = torch.full((len(queries), N_SLOTS), PAD, dtype=torch.long)
+        ctx[:, 0] = queries
+        alt = on_default_device(rng.random(len(queries)) < rare_prob)
+        return ctx, {"queries": queries, "alt": alt}
+
+    def write(self, ctx: torch.Tensor, slot: int, info: dict) -> None:
+        if slot == FLAG_SLOT:
+            ctx[:, slot] = torch.where(info["alt"], ALT, OK)
+        elif slot in REPLY_SLOTS:
+            ctx[:, slot] = encode(RESULTS[ctx[:, CALL_SLOT]], info["alt"])[:, REPLY_SLOTS.index(slot)]
+
+    def tool_state(self, ctx: torch.Tensor, slot: int) -> torch.Tensor:
+        return (ctx[:, FLAG_SLOT] == ALT) & (slot in ANSWER_SLOTS)
+
+    def reward(self, ctx: torch.Tensor, info: dict) -> torch.Tensor:
+        return answer_reward(ctx[:, 0], ctx[:, list(ANSWER_SLOTS)])
+
+    @staticmethod
+    def inputs(ctx: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """[B, P, N_SLOTS * N_SYMBOLS + P]: for policy slot k, the one-hot context before it and a one-hot of k.
+
+        With `k` given, only that slot's rows: [B, N_SLOTS * N_SYMBOLS + P].
+        """
+        if k is not None:
+            seen = torch.where(_SLOTS < POLICY_SLOTS[k], ctx, PAD)
+            x = torch.zeros(len(ctx), N_INPUTS)
+            x[:, : N_SLOTS * N_SYMBOLS] = nn.functional.one_hot(seen, N_SYMBOLS).flatten(1)
+            x[:, N_SLOTS * N_SYMBOLS + k] = 1.0
+            return x
+        return torch.stack([ToolWorld.inputs(ctx, k) for k in range(len(POLICY_SLOTS))], 1)
+
+
+def context_policy(hidden: int = HIDDEN) -> nn.Module:
+    """A 2-hidden-layer tanh MLP from the visible context (one-hot slots) to logits over the digits."""
+    return nn.Sequential(nn.Linear(N_INPUTS, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, N_DIGITS))
+
+
+# --- The gymnasium environment: tokens in, tokens out. ----------------------------------------------------
+class ToolCallEnv(gym.Env):
+    """Call a tool, read its reply as tokens, answer.
+
+    Observation: the 9 slots of the episode so far (PAD where nothing is written yet). Action: the next
+    digit the policy writes. Step 1 writes the call argument; the tool then writes its reply (flag and 3
+    digits, in the rare shifted format with probability `rare_prob`); steps 2-4 write the answer. The
+    reward, at the last step, is the share of answer digits equal to the tool's result for the query.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, rare_prob: float = RARE_BEFORE) -> None:
+        self.rare_prob = rare_prob
+        self.observation_space = gym.spaces.MultiDiscrete(np.full(N_SLOTS, N_SYMBOLS, dtype=np.int64))
+        self.action_space = gym.spaces.Discrete(N_DIGITS)
+        self._world, self._ctx, self._info, self._k = ToolWorld(), torch.empty(0), {}, 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        query = torch.tensor([int(self.np_random.integers(N_QUERIES))])
+        self._ctx, self._info = self._world.reset(query, self.np_random, self.rare_prob)
+        self._k = 0
+        return self._ctx[0].cpu().numpy().copy(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is not a digit in 0..{N_DIGITS - 1}")
+        if self._k >= len(POLICY_SLOTS):
+            raise RuntimeError("the episode is over; call reset()")
+        slot = POLICY_SLOTS[self._k]
+        self._ctx[0, slot] = int(action)
+        self._k += 1
+        next_slot = POLICY_SLOTS[self._k] if self._k < len(POLICY_SLOTS) else N_SLOTS
+        for s in range(slot + 1, next_slot):
+            self._world.write(self._ctx, s, self._info)
+        done = self._k == len(POLICY_SLOTS)
+        reward = float(self._world.reward(self._ctx, self._info)[0]) if done else 0.0
+        info = {"tool_state": bool(self._ctx[0, FLAG_SLOT] == ALT)}
+        return self._ctx[0].cpu().numpy().copy(), reward, done, False, info
+
+
+ENV_ID = "stabench/RareToolStates-v0"
+if ENV_ID not in gym.registry:
+    gym.register(id=ENV_ID, entry_point=ToolCallEnv)
+
+
+# --- Warm start: a supervised agent that knows the usual format and has no idea about the rare one. -------
+_WARM_STATE: dict[str, torch.Tensor] = {}
+
+
+def warm_policy() -> nn.Module:
+    """The policy after a short supervised warm-up (cached per process, deterministic, one thread).
+
+    Examples: the right call, the tool's reply, the right answer; in WARMUP_ALT of them the reply is in the
+    rare format and the answer targets are uniform random digits, so the policy is near-uniform there.
+    """
+    if not _WARM_STATE:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.random.fork_rng():
+                torch.manual_seed(TABLE_SEED)
+                model = context_policy()
+                rng = np.random.default_rng(TABLE_SEED)
+                optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
+                for _ in range(WARMUP_STEPS):
+                    queries = on_default_device(rng.integers(0, N_QUERIES, WARMUP_BATCH))
+                    ctx, info = ToolWorld().reset(queries, rng, WARMUP_ALT)
+                    ctx[:, CALL_SLOT] = queries
+                    for s in (FLAG_SLOT, *REPLY_SLOTS):
+                        ToolWorld().write(ctx, s, info)
+                    noise = on_default_device(rng.integers(0, N_DIGITS, (WARMUP_BATCH, 3)))
+                    ctx[:, list(ANSWER_SLOTS)] = torch.where(info["alt"][:, None], noise, RESULTS[queries])
+                    logits = model(ToolWorld.inputs(ctx))
+                    targets = ctx[:, list(POLICY_SLOTS)]
+                    loss = nn.functional.cross_entropy(logits.reshape(-1, N_DIGITS), targets.reshape(-1))
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+        finally:
+            torch.set_num_threads(threads)
+        _WARM_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    model = context_policy()
+    model.load_state_dict(_WARM_STATE)
+    return model
+
+
+# --- Exact evaluation by enumeration. ---------------------------------------------------------------------
+def _eval_contexts() -> tuple[torch.Tensor, ...]:
+    """Every (query, call, format) context with its reply, and the answer prefixes to enumerate."""
+    q, a, alt = torch.meshgrid(torch.arange(N_QUERIES), torch.arange(N_DIGITS), torch.arange(2), indexing="ij")
+    q, a, alt = q.reshape(-1), a.reshape(-1), alt.reshape(-1).bool()
+    ctx = torch.full((len(q), N_SLOTS), PAD, dtype=torch.long)
+    ctx[:, 0], ctx[:, CALL_SLOT] = q, a
+    ctx[:, FLAG_SLOT] = torch.where(alt, ALT, OK)
+    ctx[:, list(REPLY_SLOTS)] = encode(RESULTS[a], alt)
+    n, d = len(ctx), N_DIGITS
+    ctx2 = ctx.repeat_interleave(d, 0)
+    ctx2[:, ANSWER_SLOTS[0]] = torch.arange(d).repeat(n)
+    ctx3 = ctx.repeat_interleave(d * d, 0)
+    ctx3[:, ANSWER_SLOTS[0]] = torch.arange(d).repeat_interleave(d).repeat(n)
+    ctx3[:, ANSWER_SLOTS[1]] = torch.arange(d).repeat(d * n)
+    inputs = [ToolWorld.inputs(ctx, 0), ToolWorld.inputs(ctx, 1), ToolWorld.inputs(ctx2, 2), ToolWorld.inputs(ctx3, 3)]
+    return q, a, alt, torch.cat(inputs)
+
+
+_Q, _A, _ALT, _EVAL_INPUTS = _eval_contexts()
+
+
+@torch.no_grad()
+def exact_returns(policy: nn.Module) -> tuple[float, float]:
+    """(expected reward in the usual format, in the rare format) of the policy at temperature 1, exactly.
+
+    Sums over the call argument and over every answer prefix: E[share of right digits] =
+    mean over queries of sum_a pi(a | x) mean_i P(y_i = res[x]_i | x, a, reply).
+    """
+    n, d = len(_Q), N_DIGITS
+    probs = torch.softmax(policy(_EVAL_INPUTS).double(), -1)
+    p_call = probs[:n].gather(-1, _A[:, None]).squeeze(-1)  # pi(a | x)
+    p1 = probs[n : 2 * n]  # [n, y1]
+    p2 = probs[2 * n : 2 * n + n * d].view(n, d, d)  # [n, y1, y2]
+    p3 = probs[2 * n + n * d :].view(n, d, d, d)  # [n, y1, y2, y3]
+    target = RESULTS[_Q]  # [n, 3]
+    right1 = p1.gather(-1, target[:, :1]).squeeze(-1)
+    joint12 = p1[:, :, None] * p2  # P(y1, y2)
+    right2 = (p1 * p2.gather(-1, target[:, 1, None, None].expand(n, d, 1)).squeeze(-1)).sum(-1)
+    right3 = (joint12 * p3.gather(-1, target[:, 2, None, None, None].expand(n, d, d, 1)).squeeze(-1)).sum((1, 2))
+    per_context = p_call * (right1 + right2 + right3) / 3
+    usual = float(per_context[~_ALT].sum() / N_QUERIES)
+    rare = float(per_context[_ALT].sum() / N_QUERIES)
+    return usual, rare
+
+
+# --- Knobs. -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Knobs:
+    """What the task fixes; every field is a keyword argument of `RareToolStates`."""
+
+    onset: int | None = None  # None: the tier's onset
+    rare_after: float = RARE_AFTER  # share of rare replies after onset (injected branch)
+    tool_temperature: float = TOOL_TEMPERATURE  # the sampler's temperature on tool-state tokens
+
+    def check(self, iterations: int) -> None:
+        if self.onset is not None:
+            if isinstance(self.onset, bool) or not isinstance(self.onset, int):
+                raise StabenchError(f"rare-tool-states: onset must be an integer, got {self.onset!r}")
+            if not 0 < self.onset < iterations:
+                raise StabenchError(f"rare-tool-states: onset {self.onset} must lie strictly inside the run of "
+                                    f"{iterations} iterations")
+        if not isinstance(self.rare_after, (int, float)) or not 0.0 <= self.rare_after <= 1.0:
+            raise StabenchError(f"rare-tool-states: rare_after must be a probability, got {self.rare_after!r}")
+        if not isinstance(self.tool_temperature, (int, float)) or not self.tool_temperature > 0:
+            raise StabenchError(f"rare-tool-states: tool_temperature must be > 0, got {self.tool_temperature!r}")
+
+
+# --- One run. ---------------------------------------------------------------------------------------------
+class RareToolStatesRun:
+    """One seed under one method: the trainer (policy, optimizer, numpy Generator) and the branch's schedule."""
+
+    def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
+                 knobs: Knobs) -> None:
+        self.budget, self.diagnostics, self.knobs = budget, diagnostics, knobs
+        config = replace(CONFIG, seed=seed, tool_temperature=float(knobs.tool_temperature))
+        self.trainer = ToolPPO(warm_policy(), ToolWorld(), config, stabilizer)
+
+    def step(self, injected: bool) -> dict[str, float]:
+        switched = injected and self.trainer.iteration >= self.budget.onset
+        rare_prob = float(self.knobs.rare_after) if switched else RARE_BEFORE
+        state = self.trainer.iterate(rare_prob)
+        usual, rare = exact_returns(self.trainer.policy)
+        tool = state.extras["tool_mask"]
+        row: dict[str, float] = {
+            "step": float(self.trainer.tokens),
+            "return": (1 - rare_prob) * usual + rare_prob * rare,
+            "entropy": state.extras["entropy"],
+            "return_tool": rare,
+            "return_text": usual,
+            "rare_share": rare_prob,
+            "reward": float(state.batch["rewards"].mean()),
+            "tool_token_share": float(tool.float().mean()),
+            "clip_frac": state.extras["clip_frac"],
+        }
+        for name in self.diagnostics:
+            row.update(DIAGNOSTICS[name](state))
+        return row
+
+
+class RareToolStates(Task):
+    """See the module docstring."""
+
+    id = "rare-tool-states"
+    family = "tools"
+    version = "1"
+    trainer = "tool-ppo"
+    budgets = {
+        "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
+        "quick": Budget(iterations=80, onset=20, seeds=5),
+        "full": Budget(iterations=160, onset=40, seeds=10),
+    }
+    ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)
+    matched_fix = "turn-is"
+    methods = ("baseline", "turn-is", "token-tis", "tool-dual-clip")
+    # Clip fraction: at most 0.08 before onset and in every control, 0.18-0.20 (median) after onset.
+    detector = DetectorSpec(metric="clip_frac", threshold=0.12)
+    diagnostics = ("ratio_tails",)
+    return_floor = 1.0 / N_DIGITS  # uniformly random answers
+    return_ceiling = 1.0  # every answer right, in both formats
+    knobs_type = Knobs
+    experimental = False
+
+    def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RareToolStatesRun:
+        return RareToolStatesRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)
+
+
