@@ -1,0 +1,124 @@
+"""reward-hacking: the gold reward, the freezing injection, branching, the ensemble stabilizers, the knobs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import gymnasium as gym
+import pytest
+import torch
+from gymnasium.utils.env_checker import check_env
+
+from baselines.stabilizers.reward_ensemble import (
+    ConservativeEnsemble,
+    KLAnchor,
+    conservative_reward,
+    group_normalized,
+)
+from suite.api import StabenchError, Stabilizer
+from tasks import reward_hacking as rh
+
+pytestmark = pytest.mark.smoke
+
+
+def test_env_passes_check_env_and_pays_the_gold_reward() -> None:
+    env = gym.make("stabench/RewardHacking-v0")
+    check_env(env.unwrapped, skip_render_check=True)
+    table = rh.gold_table()
+    for answer, bonus in (([0, 0, 1, 3], 1.0), ([0, 0, 0, 0], -1.0), ([2, 0, 0, 0], 0.4), ([1, 2, 3, 4], 0.0)):
+        env.reset(seed=0)
+        rewards = [env.step(a)[1] for a in answer]
+        expected = sum(table[t, a] for t, a in enumerate(answer)) + bonus
+        assert rewards[:-1] == [0.0, 0.0, 0.0] and rewards[-1] == pytest.approx(expected)
+    best = rh.ALL_ANSWERS[rh.GOLD_ALL.argmax()]
+    assert int((best == rh.KEYWORD).sum()) == 2  # the best answer holds the keyword twice, not four times
+
+
+def test_reference_writes_the_keyword_rarely_and_the_return_bounds_are_exact() -> None:
+    ref_logp = rh.all_logp(rh.reference_policy())
+    pi = ref_logp.exp()
+    keyword_share = float((pi * (rh.ALL_ANSWERS == rh.KEYWORD).float().mean(1)).sum())
+    assert 0.02 < keyword_share < 0.04
+    task = rh.RewardHacking()
+    assert task.return_floor == pytest.approx(rh.reference_distribution_gold(), abs=1e-3)
+    assert task.return_ceiling == pytest.approx(float(rh.GOLD_ALL.max()), abs=1e-3)
+    assert float((pi * rh.GOLD_ALL).sum()) == pytest.approx(task.return_floor, abs=0.05)
+
+
+def _ensemble_state(run: rh.RewardHackingRun) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in run.ensemble.params]
+
+
+def test_injection_freezes_the_ensemble_and_branches_share_the_healthy_rows() -> None:
+    torch.set_num_threads(1)
+    task = rh.RewardHacking()
+    budget = task.budget("smoke")
+
+    def rows(seed: int) -> tuple[list[dict], list[dict], rh.RewardHackingRun, rh.RewardHackingRun]:
+        run = task.build("smoke", seed, Stabilizer())
+        healthy = [run.step(False) for _ in range(budget.onset)]
+        injected = copy.deepcopy(run)
+        before = _ensemble_state(injected)
+        tail_i = [injected.step(True) for _ in range(budget.iterations - budget.onset)]
+        assert all(torch.equal(a, b) for a, b in zip(before, _ensemble_state(injected)))  # frozen from onset
+        tail_c = [run.step(False) for _ in range(budget.iterations - budget.onset)]
+        assert not all(torch.equal(a, b) for a, b in zip(before, _ensemble_state(run)))  # the control keeps fitting
+        return healthy + tail_i, healthy + tail_c, injected, run
+
+    injected, control, _, _ = rows(0)
+    required = {"step", "return", "entropy", task.ground_truth.metric, task.detector.metric, "proxy", "gold",
+                "proxy_gold_gap", "kl_k1", "kl_k3", "exact_kl"}  # fmt: skip
+    for row in injected + control:
+        assert required <= set(row)
+        assert all(math.isfinite(row[k]) for k in required)
+        assert row["return"] == row["gold"] and row["gt_gold_drop"] >= 0
+    assert injected[: budget.onset] == control[: budget.onset]
+    assert injected[-1] != control[-1]
+    assert rows(0)[0] == injected  # the same seed twice gives identical rows
+    assert rows(1)[0] != injected
+
+
+def test_conservative_reward_and_group_normalization_by_hand() -> None:
+    ensemble = torch.tensor([[1.0, 3.0], [2.0, 2.0], [0.0, 4.0], [5.0, 5.0]], dtype=torch.float64)
+    # mean [2, 2, 2, 5], unbiased std [sqrt 2, 0, sqrt 8, 0]
+    reward = conservative_reward(ensemble, 1.5)
+    expected = torch.tensor([2 - 1.5 * math.sqrt(2), 2.0, 2 - 1.5 * math.sqrt(8), 5.0], dtype=torch.float64)
+    assert torch.allclose(reward, expected)
+    group = torch.tensor([0, 0, 1, 1])
+    adv = group_normalized(torch.tensor([1.0, 3.0, 2.0, 2.0]), group)
+    # group 0: mean 2, std sqrt 2; group 1: all equal, advantage 0
+    assert torch.allclose(adv, torch.tensor([-1 / (math.sqrt(2) + 1e-4), 1 / (math.sqrt(2) + 1e-4), 0.0, 0.0]))
+
+
+def test_conservative_ensemble_hooks() -> None:
+    members = torch.tensor([[1.0, 1.0, 1.0], [3.0, 0.0, 6.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    mask = torch.ones(4, 2)
+    batch = {"reward_ensemble": members, "group": torch.tensor([0, 0, 1, 1]), "mask": mask}
+    stab = ConservativeEnsemble()
+    adv = stab.advantages(torch.zeros(4, 2), batch)
+    # group 0: answer 1 has the higher mean (3 vs 1) but spread 3, so with k = 4 it scores 3 - 12 = -9 < 1.
+    assert stab.k == 4.0
+    assert adv[0, 0] > 0 > adv[1, 0] and torch.equal(adv[:, 0], adv[:, 1])
+    assert adv[2, 0] < 0 < adv[3, 0]
+    assert torch.equal(stab.advantages(torch.ones(4, 2), {"mask": mask}), torch.ones(4, 2))  # no ensemble: unchanged
+    kl_batch = {"logp": torch.tensor([-0.1, -3.0]), "ref_logp": torch.tensor([-3.0, -0.1])}
+    kl_batch["kl_coef"] = torch.tensor(0.02)
+    expected = (KLAnchor.anchor_beta / 0.02) * 0.5 * torch.tensor([2.9, 2.9]) ** 2
+    assert torch.allclose(KLAnchor().kl_loss(torch.zeros(2), kl_batch), expected)
+    assert torch.allclose(stab.kl_loss(torch.zeros(2), kl_batch), expected)
+
+
+@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 0}, {"onset": 10_000}, {"onset": 2.5},
+                                   {"ensemble_size": 1}, {"lag": 3}])  # fmt: skip
+def test_bad_knobs_raise(knobs: dict) -> None:
+    with pytest.raises(StabenchError):
+        rh.RewardHacking(**knobs)
+
+
+def test_onset_knob_moves_the_onset() -> None:
+    assert rh.RewardHacking(onset=20).budget("quick").onset == 20
+    assert rh.RewardHacking(onset=20).budget("smoke").onset == rh.RewardHacking.budgets["smoke"].onset
