@@ -1,0 +1,194 @@
+"""missing-critic: critic-free REINFORCE credits a whole answer's advantage to every token; once rewards turn
+sparse and one batch mixes short- and long-horizon problems, the long problems' rare signal drowns and they stall.
+
+The world. A tiny GPT-2 policy (1 layer, 32 wide, built from a config) writes 8 tokens from a vocabulary of 4:
+the sub-steps of a walk mod 4, c_t = 1 + (t + 1) mod 4, after a prompt [BOS, kind]. Each batch holds 3 groups of
+SHORT problems and 3 of LONG ones, 8 answers each. Trainer: GRPO configured as critic-free REINFORCE with a
+batch-mean baseline (`baseline="batch"`, no std division, beta 0), Adam lr 3e-3, one pass in 2 minibatches
+(so the `grad_variance` diagnostic has two gradients to compare).
+
+The injection. Healthy phase (7 iterations) and the control throughout: a dense reward, the share of the 8
+sub-steps that are right, for both kinds. From onset the injected branch pays sparsely, at the end: a SHORT
+problem pays 1 iff its first 2 sub-steps are right (its other 6 tokens are unscored), a LONG one pays 1 iff
+all 8 are right. At onset the exact LONG success is 0.003-0.005 and the SHORT success 0.21.
+
+Ground truth: the exact probability that the policy writes the whole LONG chain right (the correct answer is
+unique: one teacher-forced forward), mean over the last 25% of the run below 0.5. That is the task's return
+too (normalized return = that probability: floor 0, ceiling 1). A run fails when it solves the long problem
+less often than not at the end; the control reaches 0.83-0.90.
+
+Mechanism, as the calibration measured it (quick tier, seeds 0-4). With b the batch-mean reward, every token
+of a SHORT success gets A = 1 - b, its 6 unscored tokens included: these pushes are large, frequent (SHORT
+success climbs to 0.90) and random with respect to the long chain, which shares those positions, while the
+LONG problem's signal comes from a handful of rare successes. The baseline solves SHORT (0.90) and stalls on
+LONG: tail success 0.00 in 5/5 (per-step accuracy on the long chain 0.44), control 0.83-0.86. The same run with
+LONG problems only (6 groups, same onset and reward) does NOT stall: tail success 0.77-0.94 in 5/5, so the
+sparse reward alone is not the failure; the mix is. Nor is it only the batch-mean offset between the kinds: a
+group-mean baseline (A = R - mean of the answer's group, still one advantage per answer) also fails 5/5
+(checked with a throw-away advantages hook, not shipped). Not entropy: the injected baseline keeps MORE entropy than
+the control (0.45 against 0.13 over the tail), and an entropy bonus (the built-in guard at coef 0.01,
+`grpo-entropy-bonus-low`; at its own 0.3 it holds the policy uniform and fails the control too) still fails
+5/5 with entropy 0.4-0.9. Mini-critics (2 MLP critics on disjoint halves of each group, GAE lambda 0.5,
+per-position centred) give the unscored tokens advantages near 0 and the long chain per-token credit: tail
+LONG success 0.90 0.91 0.78 0.91 0.00 (fails 1/5), control 0.88-0.90.
+
+Diagnostic, measured: the trace of the gradient covariance across the 2 minibatches (`grad_var`), median
+after onset 0.133 for the injected baseline against 0.0045 for its control (pre-onset 0.016) and 0.015 with
+mini-critics; the scale-free noise-to-signal ratio `grad_var_rel` 2.4 against 1.2. Part of the jump in
+`grad_var` is the larger advantages of a 0/1 reward, which `grad_var_rel` factors out. The default detector
+alarms at `grad_var` above 0.1 (controls of the baseline peak at 0.096).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from baselines.grpo import GRPO, GRPOConfig
+from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from suite.diagnostics import DIAGNOSTICS
+from tasks.tokens import AnswerEnv, answer_logits, tiny_policy
+
+# --- The world: a walk mod K of CHAIN_LEN sub-steps, c_t = START + (t + 1) STRIDE mod K, after a prompt
+# [BOS, kind]; kind SHORT asks for the first SHORT_LEN sub-steps only, kind LONG for the whole chain. --------
+N_ACTIONS = 4  # K: tokens 0..3 are answer tokens (and the prompt's kind); id 4 is BOS
+BOS_ID = N_ACTIONS
+CHAIN_LEN = 8  # sub-steps per answer
+SHORT_LEN = 2  # sub-steps a SHORT problem is scored on after onset
+START, STRIDE = 1, 1
+SHORT, LONG = 0, 1
+N_SHORT, N_LONG = 3, 3  # groups of each kind per batch
+PROMPTS = torch.tensor([[BOS_ID, SHORT]] * N_SHORT + [[BOS_ID, LONG]] * N_LONG)
+
+# --- The policy and the trainer: critic-free REINFORCE with a batch-mean baseline, two minibatches. ---------
+MODEL = {"n_embd": 32, "n_layer": 1, "n_head": 2}
+GRPO_CONFIG = GRPOConfig(n_groups=len(PROMPTS), group_size=8, answer_len=CHAIN_LEN, n_actions=N_ACTIONS, lr=3e-3,
+                         beta=0.0, baseline="batch", std_normalize=False, minibatches=2)
+
+
+def correct_chain(n: int, length: int = CHAIN_LEN) -> torch.Tensor:
+    """The one correct answer, [n, length]: c_t = START + (t + 1) STRIDE mod K (the same for both kinds)."""
+    return ((START + torch.arange(1, length + 1) * STRIDE) % N_ACTIONS).expand(n, length)
+
+
+def dense_reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """Healthy phase (and the control throughout): the share of the sub-steps that are right, either kind."""
+    return (answers == correct_chain(len(answers), answers.shape[1])).float().mean(1)
+
+
+def sparse_reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """From onset (the injection): 1 only if every sub-step the problem asks for is right, paid at the end.
+
+    A SHORT problem asks for the first SHORT_LEN sub-steps, a LONG one for all CHAIN_LEN.
+    """
+    right = answers == correct_chain(len(answers), answers.shape[1])
+    return torch.where(prompts[:, 1] == LONG, right.all(1), right[:, :SHORT_LEN].all(1)).float()
+
+
+class WalkChainEnv(AnswerEnv):
+    """The task as a gymnasium environment for one problem kind; `injected` picks the post-onset (sparse) reward."""
+
+    def __init__(self, injected: bool = False, kind: int = LONG) -> None:
+        super().__init__(sparse_reward if injected else dense_reward, N_ACTIONS, CHAIN_LEN)
+        self.prompt = torch.tensor([[BOS_ID, kind]])
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is not an answer token in 0..{self.n_actions - 1}")
+        if len(self._tokens) >= self.length:
+            raise RuntimeError("the answer is complete; call reset()")
+        self._tokens.append(int(action))
+        done = len(self._tokens) == self.length
+        reward = float(self.reward_fn(self.prompt, torch.tensor([self._tokens]))[0]) if done else 0.0
+        return self._obs(), reward, done, False, {}
+
+
+if "stabench/WalkChain-v0" not in gym.registry:
+    gym.register(id="stabench/WalkChain-v0", entry_point=WalkChainEnv)
+
+
+def exact_success(model: nn.Module) -> tuple[float, float, float]:
+    """Exactly, by teacher forcing the unique correct answer (one forward for both kinds):
+    (P(all CHAIN_LEN sub-steps right | LONG), mean per-step P(right | right prefix) on LONG,
+    P(the first SHORT_LEN sub-steps right | SHORT))."""
+    chain = correct_chain(2)
+    prompts = torch.tensor([[BOS_ID, LONG], [BOS_ID, SHORT]])
+    with torch.no_grad():
+        lp = torch.log_softmax(answer_logits(model, prompts, chain, N_ACTIONS).double(), -1)
+    step_lp = lp.gather(-1, chain[..., None]).squeeze(-1)
+    return float(step_lp[0].sum().exp()), float(step_lp[0].exp().mean()), float(step_lp[1, :SHORT_LEN].sum().exp())
+
+
+# --- One run. ----------------------------------------------------------------------------------------------
+class MissingCriticRun:
+    """One seed under one method: the GRPO trainer holds the policy, optimizer, sampler and stabilizer state."""
+
+    def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...]) -> None:
+        self.budget, self.diagnostics = budget, diagnostics
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            policy = tiny_policy(N_ACTIONS, PROMPTS.shape[1] + CHAIN_LEN, **MODEL)
+        reference = tiny_policy(N_ACTIONS, PROMPTS.shape[1] + CHAIN_LEN, **MODEL)  # unused: beta = 0
+        self.trainer = GRPO(policy, reference, dense_reward, replace(GRPO_CONFIG, seed=seed), stabilizer)
+
+    def step(self, injected: bool) -> dict[str, float]:
+        switched = injected and self.trainer.iteration >= self.budget.onset
+        state = self.trainer.iterate(sparse_reward if switched else dense_reward, PROMPTS)
+        success, step_acc, short_success = exact_success(self.trainer.policy)
+        row: dict[str, float] = {
+            "step": float(self.trainer.tokens),
+            "return": success,
+            "entropy": state.extras["entropy"],
+            "gt_success": success,
+            "step_accuracy": step_acc,
+            "short_success": short_success,
+            "reward": float(state.batch["rewards"].mean()),
+        }
+        for name in self.diagnostics:
+            row.update(DIAGNOSTICS[name](state))
+        return row
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Keyword arguments of `MissingCritic`."""
+
+    onset: int | None = None  # iteration the sparse reward switches on (None: the tier's)
+
+    def check(self, iterations: int) -> None:
+        if self.onset is not None:
+            if isinstance(self.onset, bool) or not isinstance(self.onset, int):
+                raise StabenchError(f"missing-critic: onset must be an integer, got {self.onset!r}")
+            if not 0 < self.onset < iterations:
+                raise StabenchError(f"missing-critic: onset {self.onset} must lie strictly inside the run of "
+                                    f"{iterations} iterations")
+
+
+class MissingCritic(Task):
+    """See the module docstring."""
+
+    id = "missing-critic"
+    family = "reasoning"
+    version = "1"
+    trainer = "grpo"
+    budgets = {
+        "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
+        "quick": Budget(iterations=40, onset=7, seeds=5),
+        "full": Budget(iterations=100, onset=7, seeds=10),
+    }
+    ground_truth = GroundTruth(metric="gt_success", threshold=0.5, fails_when="below", reduce="tail_mean", tail=0.25)
+    matched_fix = "mini-critics"
+    methods = ("baseline", "mini-critics", "grpo-entropy-bonus-low")
+    detector = DetectorSpec(metric="grad_var", threshold=0.1)
+    diagnostics = ("grad_variance",)
+    return_floor = 0.0
+    return_ceiling = 1.0
+    experimental = False
+    knobs_type = Knobs
+
+    def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> MissingCriticRun:
+        return MissingCriticRun(self.budget(tier), seed, stabilizer, self.diagnostics)
