@@ -205,14 +205,14 @@ def fig_spectrum(table: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def fig_pg_variance(table: pd.DataFrame, out: Path) -> list[Path]:
-    rows = _need(table, "missing-critic", "pg_variance")
-    return _lines(rows, "pg_variance", "policy-gradient variance across minibatches", out, "05_pg_variance",
+    rows = _need(table, "missing-critic", "grad_var")
+    return _lines(rows, "grad_var", "policy-gradient variance across minibatches", out, "05_pg_variance",
                   log=True)
 
 
 def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
-    rows = _need(table, "length-explosion", "mean_length", "gold_accuracy")
-    return _lines(rows, "mean_length", "mean reasoning length [tokens]", out, "06_length_accuracy")
+    rows = _need(table, "length-explosion", "length_mean", "gold_accuracy")
+    return _lines(rows, "length_mean", "mean answer length [tokens]", out, "06_length_accuracy")
 
 
 def fig_staleness(table: pd.DataFrame, out: Path) -> list[Path]:

@@ -23,6 +23,12 @@ BUILTIN_TASKS: dict[str, str] = {
     "parallel-staleness": "tasks.parallel_staleness:ParallelStaleness",
     "representation-collapse": "tasks.representation_collapse:RepresentationCollapse",
     "policy-churn": "tasks.policy_churn:PolicyChurn",
+    "missing-critic": "tasks.missing_critic:MissingCritic",
+    "value-cold-start": "tasks.value_cold_start:ValueColdStart",
+    "reward-hacking": "tasks.reward_hacking:RewardHacking",
+    "entropy-collapse": "tasks.entropy_collapse:EntropyCollapse",
+    "rare-tool-states": "tasks.rare_tool_states:RareToolStates",
+    "length-explosion": "tasks.length_explosion:LengthExplosion",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -38,6 +44,22 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "isotropic-gaussian": "baselines.stabilizers.isotropic:IsotropicGaussian",
     "entropy-bonus": "baselines.stabilizers.isotropic:EntropyBonus",
     "chain": "baselines.stabilizers.chain:Chain",
+    "mini-critics": "baselines.stabilizers.mini_critics:MiniCritics",
+    "grpo-entropy-bonus-low": "baselines.stabilizers.mini_critics:LowEntropyBonus",
+    "critic-warmup": "baselines.stabilizers.critic_warmup:CriticWarmup",
+    "ppo-critic-entropy-bonus": "baselines.stabilizers.critic_warmup:PPOEntropyBonus",
+    "conservative-ensemble": "baselines.stabilizers.reward_ensemble:ConservativeEnsemble",
+    "kl-k2-anchor": "baselines.stabilizers.reward_ensemble:KLAnchor",
+    "clip-higher": "baselines.stabilizers.clip_higher:ClipHigher",
+    "grpo-entropy-bonus": "baselines.stabilizers.clip_higher:GRPOEntropyBonus",
+    "grpo-kl-anchor": "baselines.stabilizers.clip_higher:GRPOKLAnchor",
+    "turn-is": "baselines.stabilizers.turn_level_is:TurnLevelIS",
+    "token-tis": "baselines.stabilizers.turn_level_is:TokenTIS",
+    "tool-dual-clip": "baselines.stabilizers.turn_level_is:ToolDualClip",
+    "constant-norm": "baselines.stabilizers.length:ConstantNorm",
+    "dr-grpo": "baselines.stabilizers.length:DrGRPO",
+    "markovian-chunks": "baselines.stabilizers.length:MarkovianChunks",
+    "token-entropy-bonus": "baselines.stabilizers.length:TokenEntropyBonus",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {
