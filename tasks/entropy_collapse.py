@@ -60,7 +60,7 @@ from torch import nn
 from baselines.grpo import GRPO, GRPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, tiny_policy
+from tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, on_one_thread, tiny_policy
 
 # --- The world. ---------------------------------------------------------------------------------------------
 N_ACTIONS = 6  # digits 0-5; id 6 is BOS
@@ -166,12 +166,7 @@ def warm_policy() -> nn.Module:
     Deterministic (its own seeds and one thread whatever the caller uses), trained once per process, cached.
     """
     if not _WARM_STATE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _warm_up()
-        finally:
-            torch.set_num_threads(threads)
+        on_one_thread(_warm_up)
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, PROMPT_LEN + ANSWER_LEN, **MODEL)
     model.load_state_dict(_WARM_STATE)

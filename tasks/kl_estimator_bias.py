@@ -67,6 +67,7 @@ from tasks.tokens import (
     answer_logits,
     enumerate_answers,
     on_default_device,
+    on_one_thread,
     prefix_logp,
     tiny_policy,
 )
@@ -145,12 +146,7 @@ def reference_policy() -> nn.Module:
     order would move it), trained once per process and cached.
     """
     if not _REFERENCE_STATE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _warm_up_reference()
-        finally:
-            torch.set_num_threads(threads)
+        on_one_thread(_warm_up_reference)
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
     model.load_state_dict(_REFERENCE_STATE)

@@ -66,7 +66,7 @@ from torch import nn
 from baselines.grpo import GRPO, GRPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import answer_logits, on_default_device
+from tasks.tokens import answer_logits, on_default_device, on_one_thread
 
 # --- The world: prompt = two digits, answer = their sum mod 5, after some THINK tokens. --------------------
 N_DIGITS = 5
@@ -267,12 +267,7 @@ def warm_policy() -> ThinkerPolicy:
     Deterministic (its own seeds and one thread whatever the caller uses), trained once per process, cached.
     """
     if not _WARM_STATE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _warm_up()
-        finally:
-            torch.set_num_threads(threads)
+        on_one_thread(_warm_up)
     with torch.random.fork_rng():
         model = ThinkerPolicy()
     model.load_state_dict(_WARM_STATE)

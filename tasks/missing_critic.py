@@ -44,7 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import gymnasium as gym
-import numpy as np
 import torch
 from torch import nn
 
@@ -93,18 +92,8 @@ class WalkChainEnv(AnswerEnv):
     """The task as a gymnasium environment for one problem kind; `injected` picks the post-onset (sparse) reward."""
 
     def __init__(self, injected: bool = False, kind: int = LONG) -> None:
-        super().__init__(sparse_reward if injected else dense_reward, N_ACTIONS, CHAIN_LEN)
-        self.prompt = torch.tensor([[BOS_ID, kind]])
-
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
-        if not self.action_space.contains(action):
-            raise ValueError(f"action {action!r} is not an answer token in 0..{self.n_actions - 1}")
-        if len(self._tokens) >= self.length:
-            raise RuntimeError("the answer is complete; call reset()")
-        self._tokens.append(int(action))
-        done = len(self._tokens) == self.length
-        reward = float(self.reward_fn(self.prompt, torch.tensor([self._tokens]))[0]) if done else 0.0
-        return self._obs(), reward, done, False, {}
+        reward = sparse_reward if injected else dense_reward
+        super().__init__(reward, N_ACTIONS, CHAIN_LEN, prompt=torch.tensor([[BOS_ID, kind]]))
 
 
 if "stabench/WalkChain-v0" not in gym.registry:

@@ -71,7 +71,7 @@ from torch import nn
 from baselines.tool_ppo import ToolPPO, ToolPPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import on_default_device
+from tasks.tokens import on_default_device, on_one_thread
 
 # --- The world. --------------------------------------------------------------------------------------------
 N_DIGITS = 6  # the policy emits digits 0..5; queries are digits too
@@ -211,6 +211,29 @@ if ENV_ID not in gym.registry:
 _WARM_STATE: dict[str, torch.Tensor] = {}
 
 
+def _warm_up() -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(TABLE_SEED)
+        model = context_policy()
+        rng = np.random.default_rng(TABLE_SEED)
+        optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
+        for _ in range(WARMUP_STEPS):
+            queries = on_default_device(rng.integers(0, N_QUERIES, WARMUP_BATCH))
+            ctx, info = ToolWorld().reset(queries, rng, WARMUP_ALT)
+            ctx[:, CALL_SLOT] = queries
+            for s in (FLAG_SLOT, *REPLY_SLOTS):
+                ToolWorld().write(ctx, s, info)
+            noise = on_default_device(rng.integers(0, N_DIGITS, (WARMUP_BATCH, 3)))
+            ctx[:, list(ANSWER_SLOTS)] = torch.where(info["alt"][:, None], noise, RESULTS[queries])
+            logits = model(ToolWorld.inputs(ctx))
+            targets = ctx[:, list(POLICY_SLOTS)]
+            loss = nn.functional.cross_entropy(logits.reshape(-1, N_DIGITS), targets.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return model
+
+
 def warm_policy() -> nn.Module:
     """The policy after a short supervised warm-up (cached per process, deterministic, one thread).
 
@@ -218,30 +241,7 @@ def warm_policy() -> nn.Module:
     rare format and the answer targets are uniform random digits, so the policy is near-uniform there.
     """
     if not _WARM_STATE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.random.fork_rng():
-                torch.manual_seed(TABLE_SEED)
-                model = context_policy()
-                rng = np.random.default_rng(TABLE_SEED)
-                optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
-                for _ in range(WARMUP_STEPS):
-                    queries = on_default_device(rng.integers(0, N_QUERIES, WARMUP_BATCH))
-                    ctx, info = ToolWorld().reset(queries, rng, WARMUP_ALT)
-                    ctx[:, CALL_SLOT] = queries
-                    for s in (FLAG_SLOT, *REPLY_SLOTS):
-                        ToolWorld().write(ctx, s, info)
-                    noise = on_default_device(rng.integers(0, N_DIGITS, (WARMUP_BATCH, 3)))
-                    ctx[:, list(ANSWER_SLOTS)] = torch.where(info["alt"][:, None], noise, RESULTS[queries])
-                    logits = model(ToolWorld.inputs(ctx))
-                    targets = ctx[:, list(POLICY_SLOTS)]
-                    loss = nn.functional.cross_entropy(logits.reshape(-1, N_DIGITS), targets.reshape(-1))
-                    optimizer.zero_grad()
-                    loss.backward()
-                    optimizer.step()
-        finally:
-            torch.set_num_threads(threads)
+        model = on_one_thread(_warm_up)
         _WARM_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     model = context_policy()
     model.load_state_dict(_WARM_STATE)

@@ -70,6 +70,7 @@ from tasks.tokens import (
     answer_logits,
     enumerate_answers,
     on_default_device,
+    on_one_thread,
     prefix_logp,
     tiny_policy,
 )
@@ -148,12 +149,7 @@ _REFERENCE_STATE: dict[str, torch.Tensor] = {}
 def reference_policy() -> nn.Module:
     """The frozen reference: writes the keyword with probability about REF_KEYWORD_PROB at every position."""
     if not _REFERENCE_STATE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            _warm_up_reference()
-        finally:
-            torch.set_num_threads(threads)
+        on_one_thread(_warm_up_reference)
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
     model.load_state_dict(_REFERENCE_STATE)

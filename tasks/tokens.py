@@ -17,13 +17,30 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import TypeVar
 
 import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
 
+T = TypeVar("T")
+
 RewardFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | dict[str, torch.Tensor]"]
+
+
+def on_one_thread(fn: Callable[[], T]) -> T:
+    """fn() on one torch thread whatever the caller uses.
+
+    A task's warm start is trained once per process and cached; on one thread its float sums always run in
+    the same order, so every run of the task starts from the same weights.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def on_default_device(array: np.ndarray) -> torch.Tensor:
@@ -133,13 +150,14 @@ class AnswerEnv(gym.Env):
 
     Observation: the answer so far, padded to `length` with the special token id `n_actions`.
     Action: the next answer token. Reward: 0 until the last token, then `reward_fn(prompt, answer)`.
-    The prompt is the BOS token alone.
+    The prompt, a LongTensor [1, P], defaults to the BOS token alone.
     """
 
     metadata = {"render_modes": []}
 
-    def __init__(self, reward_fn: RewardFn, n_actions: int, length: int) -> None:
+    def __init__(self, reward_fn: RewardFn, n_actions: int, length: int, prompt: torch.Tensor | None = None) -> None:
         self.reward_fn, self.n_actions, self.length = reward_fn, n_actions, length
+        self.prompt = prompt if prompt is not None else torch.full((1, 1), n_actions, dtype=torch.long)
         self.observation_space = gym.spaces.MultiDiscrete(np.full(length, n_actions + 1, dtype=np.int64))
         self.action_space = gym.spaces.Discrete(n_actions)
         self._tokens: list[int] = []
@@ -163,6 +181,5 @@ class AnswerEnv(gym.Env):
         done = len(self._tokens) == self.length
         reward = 0.0
         if done:
-            prompt = torch.full((1, 1), self.n_actions, dtype=torch.long)
-            reward = float(self.reward_fn(prompt, torch.tensor([self._tokens], dtype=torch.long))[0])
+            reward = float(self.reward_fn(self.prompt, torch.tensor([self._tokens], dtype=torch.long))[0])
         return self._obs(), reward, done, False, {}
