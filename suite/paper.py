@@ -24,7 +24,8 @@ from suite.api import StabenchError
 
 PAPER = Path("paper")
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
-                   Path("results/experimental/representation-collapse"), Path("results/experimental/policy-churn")]
+                   Path("results/experimental/representation-collapse"), Path("results/experimental/policy-churn"),
+                   Path("results/experimental/value-cold-start")]
 ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
 
 
