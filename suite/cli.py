@@ -43,7 +43,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         flag = "  [experimental]" if task.experimental else ""
         quick = task.budgets["quick"]
         print(
-            f"  {name:<22} {task.family:<10} trainer={task.trainer:<5} fix={task.matched_fix:<20} "
+            f"  {name:<24} {task.family:<10} trainer={task.trainer:<9} fix={task.matched_fix:<22} "
             f"quick: {quick.iterations} it, onset {quick.onset}, {quick.seeds} seeds{flag}"
         )
     print("stabilizers (methods):")
