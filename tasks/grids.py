@@ -13,10 +13,13 @@ Importing this module registers the flattened worlds under the `stabench/` names
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, SupportsFloat
 
 import gymnasium as gym
 import numpy as np
+import torch
 from minigrid.envs import EmptyEnv
 from minigrid.wrappers import ImgObsWrapper
 
@@ -63,26 +66,129 @@ def flatten_minigrid(env: gym.Env, n_actions: int = N_ACTIONS) -> gym.Env:
     return FirstActions(FlatObs(ImgObsWrapper(env)), n_actions)
 
 
-class StaticEmptyEnv(EmptyEnv):
-    """MiniGrid's empty room, its observation memoized by (agent cell, heading).
+@dataclass(frozen=True)
+class RoomTable:
+    """Every (cell, direction) of the empty room: its flat observation and deterministic transitions.
 
-    The room never changes and the agent carries nothing, so the egocentric view is a pure function of
-    where the agent stands and faces; MiniGrid recomputes it on every step, which took three quarters of
-    PPO's time here. The observations are MiniGrid's own (a test compares every cell and heading).
+    Built by driving the real MiniGrid env from each state with each action. `next_state[s, a]` is the
+    successor's index, -1 when the action steps onto the goal (the episode ends with reward 1 - 0.9 t / T);
+    `goal_obs[s]` is the view after that step (agent on the goal, heading kept; zeros where no action of s
+    reaches the goal).
     """
 
-    def gen_obs(self) -> dict[str, Any]:
-        cache: dict[tuple[int, int, int], np.ndarray] = self.__dict__.setdefault("_view_cache", {})
-        key = (int(self.agent_pos[0]), int(self.agent_pos[1]), int(self.agent_dir))
-        image = cache.get(key)
-        if image is None:
-            image = cache[key] = super().gen_obs()["image"]
-        return {"image": image.copy(), "direction": self.agent_dir, "mission": self.mission}
+    obs: torch.Tensor  # S x 147
+    next_state: np.ndarray  # S x A
+    start: int
+    max_steps: int
+    goal_obs: np.ndarray  # S x 147
+
+    def evaluate(self, logits: torch.Tensor) -> tuple[float, float]:
+        """Exact expected return of the stochastic policy softmax(logits[s]) from the start, and its entropy
+        averaged over the states it visits (occupancy-weighted), by forward dynamic programming over time."""
+        logp = torch.log_softmax(logits.double(), -1)
+        pi = logp.exp().numpy()
+        ent = -(logp.exp() * logp).sum(-1).numpy()
+        n = len(pi)
+        goal = self.next_state < 0
+        succ = np.maximum(self.next_state, 0)
+        d = np.zeros(n)
+        d[self.start] = 1.0
+        ret = visits = ent_sum = 0.0
+        for t in range(self.max_steps):
+            visits += d.sum()
+            ent_sum += float(d @ ent)
+            flow = d[:, None] * pi  # S x A
+            ret += float(flow[goal].sum()) * (1.0 - 0.9 * (t + 1) / self.max_steps)
+            d = np.bincount(succ[~goal], weights=flow[~goal], minlength=n)
+        return ret, ent_sum / visits
+
+    def optimal_return(self) -> float:
+        n = len(self.obs)
+        dist = np.full(n, math.inf)
+        for _ in range(n + 1):
+            after = np.where(self.next_state < 0, 0.0, dist[np.maximum(self.next_state, 0)])
+            dist = np.minimum(dist, (1.0 + after).min(1))
+        t = dist[self.start]
+        return float(1.0 - 0.9 * t / self.max_steps) if t <= self.max_steps else 0.0
+
+
+_TABLES: dict[tuple[int, int], RoomTable] = {}
+
+
+def _flat(image: np.ndarray) -> np.ndarray:
+    return np.asarray(image, dtype=np.float32).reshape(-1) / OBS_SCALE  # as FlatObs writes it
+
+
+def room_table(size: int, max_steps: int) -> RoomTable:
+    """The table of MiniGrid's empty `size` x `size` room, built once per process."""
+    key = (size, max_steps)
+    if key not in _TABLES:
+        env = EmptyEnv(size=size, max_steps=max_steps)
+        env.reset(seed=0)
+        start = (int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))
+        states = [(x, y, d) for y in range(1, size - 1) for x in range(1, size - 1) for d in range(4)
+                  if env.grid.get(x, y) is None]
+        index = {s: i for i, s in enumerate(states)}
+        obs, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
+        goal_obs = np.zeros((len(states), int(np.prod(env.observation_space["image"].shape))), dtype=np.float32)
+        for i, (x, y, d) in enumerate(states):
+            env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
+            obs.append(_flat(env.gen_obs()["image"]))
+            for a in range(N_ACTIONS):
+                env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
+                view, _, terminated, _, _ = env.step(a)
+                if terminated:
+                    nxt[i, a], goal_obs[i] = -1, _flat(view["image"])
+                else:
+                    nxt[i, a] = index[(int(env.agent_pos[0]), int(env.agent_pos[1]), env.agent_dir)]
+        _TABLES[key] = RoomTable(torch.as_tensor(np.stack(obs)), nxt, index[start], max_steps, goal_obs)
+    return _TABLES[key]
+
+
+class EmptyRoomFlat(gym.Env):
+    """MiniGrid's empty room behind the family's flat interface, stepped from its `RoomTable`.
+
+    Observations, rewards (MiniGrid's 1 - 0.9 * (t / T) on reaching the goal), termination and truncation
+    are those of `flatten_minigrid(EmptyEnv(...))` bit for bit (a test steps both side by side); MiniGrid
+    re-renders its egocentric view and passes it through three wrappers on every step, which took most of
+    the environment's share of PPO's time.
+    """
+
+    def __init__(self, size: int = 5, max_steps: int | None = None) -> None:
+        self.max_steps = 4 * size * size if max_steps is None else int(max_steps)  # MiniGrid's default
+        self.table = room_table(size, self.max_steps)
+        self._obs = self.table.obs.numpy()
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=self._obs.shape[1:], dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(N_ACTIONS)
+        self.state, self.step_count = self.table.start, 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)  # the room is deterministic: the seed only seeds `np_random`
+        self.state, self.step_count = self.table.start, 0
+        return self._obs[self.state].copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        a = int(action)
+        if not 0 <= a < N_ACTIONS:
+            raise ValueError(f"action {action!r} is not one of the room's {N_ACTIONS} actions")
+        if self.state < 0:
+            raise RuntimeError("the agent stands on the goal: call reset() before stepping again")
+        self.step_count += 1
+        nxt = int(self.table.next_state[self.state, a])
+        truncated = self.step_count >= self.max_steps  # as MiniGrid: also on a goal reached at the last step
+        if nxt < 0:
+            obs, self.state = self.table.goal_obs[self.state].copy(), -1
+            return obs, 1 - 0.9 * (self.step_count / self.max_steps), True, truncated, {}
+        self.state = nxt
+        return self._obs[nxt].copy(), 0.0, False, truncated, {}
 
 
 def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> gym.Env:
-    """MiniGrid's empty room (start top-left facing right, goal bottom-right) with the flat interface."""
-    return flatten_minigrid(StaticEmptyEnv(size=size, max_steps=max_steps, render_mode=render_mode))
+    """MiniGrid's empty room (start top-left facing right, goal bottom-right) with the flat interface; the
+    table-driven room unless a render mode asks for MiniGrid's own renderer."""
+    if render_mode is not None:
+        return flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps, render_mode=render_mode))
+    return EmptyRoomFlat(size=size, max_steps=max_steps)
 
 
 # Worlds registered at import: id -> (entry point, kwargs).

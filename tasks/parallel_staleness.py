@@ -105,7 +105,7 @@ from torch import nn
 from baselines.ppo import PPO, PPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task, TrainState
 from suite.diagnostics import DIAGNOSTICS, diagnostic
-from tasks.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid
+from tasks.grids import N_ACTIONS, flatten_minigrid, room_table
 
 OBS_DIM = 147  # 7 x 7 x 3 egocentric view, flattened
 
@@ -115,73 +115,6 @@ def make_room(size: int, max_steps: int) -> gym.Env:
     """MiniGrid's empty room (fixed start top-left facing right, goal bottom-right), flat interface."""
     return flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps))
 
-
-
-@dataclass(frozen=True)
-class RoomTable:
-    """Every (cell, direction) of the empty room: its flat observation and deterministic transitions.
-
-    Built by driving the real MiniGrid env from each state with each action. `next_state[s, a]` is the
-    successor's index, -1 when the action steps onto the goal (the episode ends with reward 1 - 0.9 t / T).
-    """
-
-    obs: torch.Tensor  # S x 147
-    next_state: np.ndarray  # S x A
-    start: int
-    max_steps: int
-
-    def evaluate(self, logits: torch.Tensor) -> tuple[float, float]:
-        """Exact expected return of the stochastic policy softmax(logits[s]) from the start, and its entropy
-        averaged over the states it visits (occupancy-weighted), by forward dynamic programming over time."""
-        logp = torch.log_softmax(logits.double(), -1)
-        pi = logp.exp().numpy()
-        ent = -(logp.exp() * logp).sum(-1).numpy()
-        n = len(pi)
-        goal = self.next_state < 0
-        succ = np.maximum(self.next_state, 0)
-        d = np.zeros(n)
-        d[self.start] = 1.0
-        ret = visits = ent_sum = 0.0
-        for t in range(self.max_steps):
-            visits += d.sum()
-            ent_sum += float(d @ ent)
-            flow = d[:, None] * pi  # S x A
-            ret += float(flow[goal].sum()) * (1.0 - 0.9 * (t + 1) / self.max_steps)
-            d = np.bincount(succ[~goal], weights=flow[~goal], minlength=n)
-        return ret, ent_sum / visits
-
-    def optimal_return(self) -> float:
-        n = len(self.obs)
-        dist = np.full(n, math.inf)
-        for _ in range(n + 1):
-            after = np.where(self.next_state < 0, 0.0, dist[np.maximum(self.next_state, 0)])
-            dist = np.minimum(dist, (1.0 + after).min(1))
-        t = dist[self.start]
-        return float(1.0 - 0.9 * t / self.max_steps) if t <= self.max_steps else 0.0
-
-
-_TABLES: dict[tuple[int, int], RoomTable] = {}
-
-
-def room_table(size: int, max_steps: int) -> RoomTable:
-    key = (size, max_steps)
-    if key not in _TABLES:
-        env = EmptyEnv(size=size, max_steps=max_steps)
-        env.reset(seed=0)
-        start = (int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))
-        states = [(x, y, d) for y in range(1, size - 1) for x in range(1, size - 1) for d in range(4)
-                  if env.grid.get(x, y) is None]
-        index = {s: i for i, s in enumerate(states)}
-        obs, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
-        for i, (x, y, d) in enumerate(states):
-            env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-            obs.append(np.asarray(env.gen_obs()["image"], dtype=np.float32).reshape(-1) / OBS_SCALE)
-            for a in range(N_ACTIONS):
-                env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-                _, _, terminated, _, _ = env.step(a)
-                nxt[i, a] = -1 if terminated else index[(int(env.agent_pos[0]), int(env.agent_pos[1]), env.agent_dir)]
-        _TABLES[key] = RoomTable(torch.as_tensor(np.stack(obs)), nxt, index[start], max_steps)
-    return _TABLES[key]
 
 
 class RoomVectorEnv(gym.vector.VectorEnv):

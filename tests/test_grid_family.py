@@ -40,8 +40,8 @@ def same_rows(a: dict[str, float], b: dict[str, float]) -> bool:
 @pytest.mark.parametrize("env_id", sorted(WORLDS))
 def test_registered_env_passes_check_env(env_id: str) -> None:
     env = gym.make(env_id)
-    check_env(env.unwrapped, skip_render_check=True)  # the bare MiniGrid world
-    check_env(env, skip_render_check=True)  # the flat interface the trainer sees
+    check_env(env.unwrapped, skip_render_check=True)  # the bare world
+    check_env(env, skip_render_check=True)  # as the trainer sees it
     obs, _ = env.reset(seed=0)
     assert obs.shape == (147,) and obs.dtype == "float32" and 0.0 <= obs.min() and obs.max() <= 1.0
     assert env.action_space == gym.spaces.Discrete(3)
@@ -156,19 +156,36 @@ def test_same_seed_same_rows() -> None:
 
 
 @pytest.mark.smoke
-def test_the_memoized_empty_room_sees_exactly_what_minigrid_sees():
+@pytest.mark.parametrize("size,max_steps", [(5, None), (5, 9), (8, 40)])
+def test_the_table_driven_room_steps_exactly_as_minigrid(size: int, max_steps: int | None) -> None:
     from minigrid.envs import EmptyEnv
 
-    from tasks.grids import StaticEmptyEnv
+    from tasks.grids import EmptyRoomFlat, flatten_minigrid
 
-    for size in (5, 8):
-        fast, slow = StaticEmptyEnv(size=size), EmptyEnv(size=size)
-        fast.reset(seed=0)
-        slow.reset(seed=0)
-        for x in range(1, size - 1):
-            for y in range(1, size - 1):
-                for heading in range(4):
-                    for env in (fast, slow):
-                        env.agent_pos, env.agent_dir = (x, y), heading
-                    for _ in range(2):  # the second call is served from the cache
-                        assert np.array_equal(fast.gen_obs()["image"], slow.gen_obs()["image"])
+    fast = EmptyRoomFlat(size=size, max_steps=max_steps)
+    slow = flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps))
+    assert np.array_equal(fast.reset(seed=0)[0], slow.reset(seed=0)[0])
+    rng, ends = np.random.default_rng(size), {"terminated": 0, "truncated": 0}
+    for _ in range(3000):
+        action = int(rng.choice(3, p=[0.2, 0.2, 0.6]))
+        got, want = fast.step(action), slow.step(action)
+        assert np.array_equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+        assert got[1] == want[1] and got[2] == want[2] and got[3] == want[3]  # reward bit for bit
+        if got[2] or got[3]:
+            ends["terminated" if got[2] else "truncated"] += 1
+            assert np.array_equal(fast.reset()[0], slow.reset()[0])
+    assert ends["terminated"] >= 5 and (max_steps is None or ends["truncated"] >= 5)
+
+
+def test_the_table_driven_room_rejects_bad_steps() -> None:
+    from tasks.grids import EmptyRoomFlat
+
+    env = EmptyRoomFlat(size=5)
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="not one of the room's 3 actions"):
+        env.step(3)
+    for action in (2, 2, 1, 2, 2):  # forward, forward, turn right, forward, forward: onto the goal
+        *_, terminated, _, _ = env.step(action)
+    assert terminated
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step(0)
