@@ -81,6 +81,7 @@ class RoomTable:
     start: int
     max_steps: int
     goal_obs: np.ndarray  # S x 147
+    cells: tuple[tuple[int, int, int], ...]  # state index -> (x, y, heading)
 
     def evaluate(self, logits: torch.Tensor) -> tuple[float, float]:
         """Exact expected return of the stochastic policy softmax(logits[s]) from the start, and its entropy
@@ -141,7 +142,8 @@ def room_table(size: int, max_steps: int) -> RoomTable:
                     nxt[i, a], goal_obs[i] = -1, _flat(view["image"])
                 else:
                     nxt[i, a] = index[(int(env.agent_pos[0]), int(env.agent_pos[1]), env.agent_dir)]
-        _TABLES[key] = RoomTable(torch.as_tensor(np.stack(obs)), nxt, index[start], max_steps, goal_obs)
+        _TABLES[key] = RoomTable(torch.as_tensor(np.stack(obs)), nxt, index[start], max_steps, goal_obs,
+                                tuple(states))
     return _TABLES[key]
 
 
@@ -151,20 +153,28 @@ class EmptyRoomFlat(gym.Env):
     Observations, rewards (MiniGrid's 1 - 0.9 * (t / T) on reaching the goal), termination and truncation
     are those of `flatten_minigrid(EmptyEnv(...))` bit for bit (a test steps both side by side); MiniGrid
     re-renders its egocentric view and passes it through three wrappers on every step, which took most of
-    the environment's share of PPO's time.
+    the environment's share of PPO's time. Rendering places a MiniGrid room in the same state and draws it.
     """
 
-    def __init__(self, size: int = 5, max_steps: int | None = None) -> None:
+    metadata = {"render_modes": ["human", "rgb_array"], "render_fps": 10}
+
+    def __init__(self, size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> None:
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
+        self.size, self.render_mode = size, render_mode
         self.max_steps = 4 * size * size if max_steps is None else int(max_steps)  # MiniGrid's default
         self.table = room_table(size, self.max_steps)
         self._obs = self.table.obs.numpy()
         self.observation_space = gym.spaces.Box(0.0, 1.0, shape=self._obs.shape[1:], dtype=np.float32)
         self.action_space = gym.spaces.Discrete(N_ACTIONS)
-        self.state, self.step_count = self.table.start, 0
+        self.state, self.step_count, self.heading = self.table.start, 0, 0
+        self._painter: EmptyEnv | None = None
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)  # the room is deterministic: the seed only seeds `np_random`
         self.state, self.step_count = self.table.start, 0
+        if self.render_mode == "human":
+            self.render()
         return self._obs[self.state].copy(), {}
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
@@ -177,18 +187,34 @@ class EmptyRoomFlat(gym.Env):
         nxt = int(self.table.next_state[self.state, a])
         truncated = self.step_count >= self.max_steps  # as MiniGrid: also on a goal reached at the last step
         if nxt < 0:
-            obs, self.state = self.table.goal_obs[self.state].copy(), -1
-            return obs, 1 - 0.9 * (self.step_count / self.max_steps), True, truncated, {}
-        self.state = nxt
-        return self._obs[nxt].copy(), 0.0, False, truncated, {}
+            obs, self.heading, self.state = self.table.goal_obs[self.state].copy(), self.table.cells[self.state][2], -1
+            reward, terminated = 1 - 0.9 * (self.step_count / self.max_steps), True
+        else:
+            obs, self.state, reward, terminated = self._obs[nxt].copy(), nxt, 0.0, False
+        if self.render_mode == "human":
+            self.render()
+        return obs, reward, terminated, truncated, {}
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode is None:
+            return None
+        if self._painter is None:
+            self._painter = EmptyEnv(size=self.size, max_steps=self.max_steps, render_mode=self.render_mode)
+            self._painter.reset(seed=0)
+        x, y, d = (self.size - 2, self.size - 2, self.heading) if self.state < 0 else self.table.cells[self.state]
+        self._painter.agent_pos, self._painter.agent_dir = (x, y), d
+        self._painter.step_count = self.step_count
+        return self._painter.render()
+
+    def close(self) -> None:
+        if self._painter is not None:
+            self._painter.close()
+            self._painter = None
 
 
 def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> gym.Env:
-    """MiniGrid's empty room (start top-left facing right, goal bottom-right) with the flat interface; the
-    table-driven room unless a render mode asks for MiniGrid's own renderer."""
-    if render_mode is not None:
-        return flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps, render_mode=render_mode))
-    return EmptyRoomFlat(size=size, max_steps=max_steps)
+    """MiniGrid's empty room (start top-left facing right, goal bottom-right) with the flat interface."""
+    return EmptyRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode)
 
 
 # Worlds registered at import: id -> (entry point, kwargs).

@@ -177,6 +177,22 @@ def test_the_table_driven_room_steps_exactly_as_minigrid(size: int, max_steps: i
     assert ends["terminated"] >= 5 and (max_steps is None or ends["truncated"] >= 5)
 
 
+def test_the_table_driven_room_renders_as_minigrid() -> None:
+    from minigrid.envs import EmptyEnv
+
+    env = gym.make("stabench/EmptyFlat-5x5-v0", render_mode="rgb_array")  # as Stable-Baselines3 builds it
+    ref = EmptyEnv(size=5, render_mode="rgb_array")
+    env.reset(seed=0)
+    ref.reset(seed=0)
+    assert np.array_equal(env.render(), ref.render())
+    for action in (0, 2, 1, 2, 2, 1, 2, 2):  # into the wall, then along the top row and down onto the goal
+        *_, terminated, _, _ = env.step(action)
+        ref.step(action)
+        assert np.array_equal(env.render(), ref.render())
+    assert terminated
+    env.close()
+
+
 def test_the_table_driven_room_rejects_bad_steps() -> None:
     from tasks.grids import EmptyRoomFlat
 
@@ -189,3 +205,14 @@ def test_the_table_driven_room_rejects_bad_steps() -> None:
     assert terminated
     with pytest.raises(RuntimeError, match="call reset"):
         env.step(0)
+
+
+def test_upper_quantile_is_torch_quantile_bit_for_bit() -> None:
+    from baselines.ppo import upper_quantile
+
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 100, 128, 257):
+        for x in (torch.rand(n, generator=g), torch.randn(n, generator=g).exp(),
+                  torch.randint(0, 3, (n,), generator=g).float(), torch.ones(n), torch.rand(n, generator=g).double()):
+            for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+                assert torch.equal(upper_quantile(x, q), torch.quantile(x, q)), (n, q)
