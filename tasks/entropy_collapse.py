@@ -4,7 +4,7 @@ The world. A prompt is two digits (a, b) from 0-5 (36 prompts: 28 for training, 
 tokens from the same 6 digits (216 answers, all enumerable). An answer is correct when it uses neither a nor
 b: 64 correct answers per prompt (125 when a = b), so the problem has many right answers. The policy is a
 tiny GPT-2 (1 layer, 32 wide, built from a config) warmed up by a short supervised phase on uniformly drawn
-correct answers of the training prompts (fixed per task version, cached per process): it starts diverse
+correct answers of the training prompts (fixed per task version, cached by `tasks.tokens.warm_start`): it starts diverse
 (46 correct answers above 1% per held-out prompt, token entropy 1.46 nats, held-out accuracy 0.97). The
 frozen reference is that warm start. GRPO as DAPO/TTRL-style recipes run it: no KL term (beta 0), PPO
 clipping 0.2/0.2, 8 prompts x groups of 8, Adam lr 2e-3, 2 epochs per batch (so the ratio can leave 1).
@@ -60,7 +60,7 @@ from torch import nn
 from baselines.grpo import GRPO, GRPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, on_one_thread, tiny_policy
+from tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, tiny_policy, warm_start
 
 # --- The world. ---------------------------------------------------------------------------------------------
 N_ACTIONS = 6  # digits 0-5; id 6 is BOS
@@ -163,17 +163,17 @@ _WARM_STATE: dict[str, torch.Tensor] = {}
 def warm_policy() -> nn.Module:
     """The tiny transformer after a supervised warm-up on uniformly drawn correct answers of the training prompts.
 
-    Deterministic (its own seeds and one thread whatever the caller uses), trained once per process, cached.
+    Deterministic (its own seeds and one thread whatever the caller uses); cached by `warm_start`.
     """
     if not _WARM_STATE:
-        on_one_thread(_warm_up)
+        _WARM_STATE.update(warm_start("entropy-collapse", _warm_up, __file__))
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, PROMPT_LEN + ANSWER_LEN, **MODEL)
     model.load_state_dict(_WARM_STATE)
     return model
 
 
-def _warm_up() -> None:
+def _warm_up() -> nn.Module:
     rng = np.random.default_rng(WARMUP_SEED)
     with torch.random.fork_rng():
         torch.manual_seed(WARMUP_SEED)
@@ -188,7 +188,7 @@ def _warm_up() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _WARM_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return model
 
 
 # --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------

@@ -67,9 +67,9 @@ from tasks.tokens import (
     answer_logits,
     enumerate_answers,
     on_default_device,
-    on_one_thread,
     prefix_logp,
     tiny_policy,
+    warm_start,
 )
 
 # --- The world: 6 answer tokens, answers of 4 tokens (6**4 = 1,296 answers, all enumerable). -------------
@@ -143,17 +143,17 @@ def reference_policy() -> nn.Module:
     """The frozen reference: the tiny transformer after a short supervised warm-up on table samples.
 
     Deterministic (its own seeds, and one thread whatever the caller uses: float sums in a different
-    order would move it), trained once per process and cached.
+    order would move it); cached by `warm_start`.
     """
     if not _REFERENCE_STATE:
-        on_one_thread(_warm_up_reference)
+        _REFERENCE_STATE.update(warm_start("kl-estimator-bias/reference", _warm_up_reference, __file__))
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
     model.load_state_dict(_REFERENCE_STATE)
     return model.eval().requires_grad_(False)
 
 
-def _warm_up_reference() -> None:
+def _warm_up_reference() -> nn.Module:
     table, rng = reference_table(), np.random.default_rng(TABLE_SEED)
     with torch.random.fork_rng():
         torch.manual_seed(TABLE_SEED)
@@ -167,7 +167,7 @@ def _warm_up_reference() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _REFERENCE_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return model
 
 
 ALL_ANSWERS = enumerate_answers(N_ACTIONS, ANSWER_LEN)

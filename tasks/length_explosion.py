@@ -66,7 +66,7 @@ from torch import nn
 from baselines.grpo import GRPO, GRPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import answer_logits, on_default_device, on_one_thread
+from tasks.tokens import answer_logits, on_default_device, warm_start
 
 # --- The world: prompt = two digits, answer = their sum mod 5, after some THINK tokens. --------------------
 N_DIGITS = 5
@@ -264,10 +264,10 @@ _WARM_STATE: dict[str, torch.Tensor] = {}
 def warm_policy() -> ThinkerPolicy:
     """The RL start: the policy after a short supervised warm start on right answers after 2-4 THINK tokens.
 
-    Deterministic (its own seeds and one thread whatever the caller uses), trained once per process, cached.
+    Deterministic (its own seeds and one thread whatever the caller uses); cached by `warm_start`.
     """
     if not _WARM_STATE:
-        on_one_thread(_warm_up)
+        _WARM_STATE.update(warm_start("length-explosion", _warm_up, __file__))
     with torch.random.fork_rng():
         model = ThinkerPolicy()
     model.load_state_dict(_WARM_STATE)
@@ -291,7 +291,7 @@ def demonstration_targets() -> tuple[torch.Tensor, torch.Tensor]:
     return visit, target
 
 
-def _warm_up() -> None:
+def _warm_up() -> ThinkerPolicy:
     """Full-batch supervised steps on the exact demonstration distribution (no sampling: cheap, deterministic)."""
     with torch.random.fork_rng():
         torch.manual_seed(WARM_SEED)
@@ -304,7 +304,7 @@ def _warm_up() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _WARM_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return model
 
 
 # --- Exact quantities: the THINK count is the whole state, so one forward per prompt gives everything. ----

@@ -71,7 +71,7 @@ from torch import nn
 from baselines.tool_ppo import ToolPPO, ToolPPOConfig
 from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import on_default_device, on_one_thread
+from tasks.tokens import on_default_device, warm_start
 
 # --- The world. --------------------------------------------------------------------------------------------
 N_DIGITS = 6  # the policy emits digits 0..5; queries are digits too
@@ -235,14 +235,13 @@ def _warm_up() -> nn.Module:
 
 
 def warm_policy() -> nn.Module:
-    """The policy after a short supervised warm-up (cached per process, deterministic, one thread).
+    """The policy after a short supervised warm-up (deterministic, one thread; cached by `warm_start`).
 
     Examples: the right call, the tool's reply, the right answer; in WARMUP_ALT of them the reply is in the
     rare format and the answer targets are uniform random digits, so the policy is near-uniform there.
     """
     if not _WARM_STATE:
-        model = on_one_thread(_warm_up)
-        _WARM_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        _WARM_STATE.update(warm_start("rare-tool-states", _warm_up, __file__))
     model = context_policy()
     model.load_state_dict(_WARM_STATE)
     return model

@@ -70,9 +70,9 @@ from tasks.tokens import (
     answer_logits,
     enumerate_answers,
     on_default_device,
-    on_one_thread,
     prefix_logp,
     tiny_policy,
+    warm_start,
 )
 
 # --- The world: 6 answer tokens, answers of 4 tokens (1,296 answers, all enumerable). ----------------------
@@ -149,14 +149,14 @@ _REFERENCE_STATE: dict[str, torch.Tensor] = {}
 def reference_policy() -> nn.Module:
     """The frozen reference: writes the keyword with probability about REF_KEYWORD_PROB at every position."""
     if not _REFERENCE_STATE:
-        on_one_thread(_warm_up_reference)
+        _REFERENCE_STATE.update(warm_start("reward-hacking/reference", _warm_up_reference, __file__))
     with torch.random.fork_rng():
         model = tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
     model.load_state_dict(_REFERENCE_STATE)
     return model.eval().requires_grad_(False)
 
 
-def _warm_up_reference() -> None:
+def _warm_up_reference() -> nn.Module:
     """Cross-entropy to the target marginal after a fixed set of prefixes (every 7th answer): no sampling."""
     with torch.random.fork_rng():
         torch.manual_seed(TABLE_SEED)
@@ -172,7 +172,7 @@ def _warm_up_reference() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    _REFERENCE_STATE.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return model
 
 
 def all_logp(model: nn.Module) -> torch.Tensor:

@@ -15,13 +15,18 @@ Conventions every token task follows:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import os
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import gymnasium as gym
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 T = TypeVar("T")
@@ -32,7 +37,7 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | dict[str, torc
 def on_one_thread(fn: Callable[[], T]) -> T:
     """fn() on one torch thread whatever the caller uses.
 
-    A task's warm start is trained once per process and cached; on one thread its float sums always run in
+    A task's warm start is trained once and cached (`warm_start`); on one thread its float sums always run in
     the same order, so every run of the task starts from the same weights.
     """
     threads = torch.get_num_threads()
@@ -41,6 +46,54 @@ def on_one_thread(fn: Callable[[], T]) -> T:
         return fn()
     finally:
         torch.set_num_threads(threads)
+
+
+def cache_dir() -> Path | None:
+    """Where warm starts are cached: `$STABENCH_CACHE`, else `$XDG_CACHE_HOME/stabench` (`~/.cache/stabench`);
+    None when `STABENCH_CACHE=off`."""
+    setting = os.environ.get("STABENCH_CACHE", "")
+    if setting.lower() == "off":
+        return None
+    if setting:
+        return Path(setting).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stabench"
+
+
+def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[str, torch.Tensor]:
+    """The weights of a task's warm start: trained by `train()` on one thread, or read from the disk cache.
+
+    Every worker process of a sweep needs the same warm starts, and training them took seconds per task and
+    worker. The cache key covers what could change the weights: `name`, the source of the task's module
+    (`source`, its path) and of this one, the torch and transformers versions, the device and the CPU's
+    kernel set; any change trains afresh. Entries are safetensors (no pickle) written atomically, so
+    concurrent workers at worst train the same start twice. A cache that cannot be written is reported
+    once as a warning and otherwise ignored.
+    """
+    import transformers
+
+    folder = cache_dir()
+    digest = hashlib.sha256()
+    for part in (name, torch.__version__, transformers.__version__, torch.get_default_device().type,
+                 torch.backends.cpu.get_cpu_capability()):
+        digest.update(part.encode() + b"\0")
+    for path in (source, __file__):
+        digest.update(Path(path).read_bytes())
+    path = None if folder is None else folder / f"{name.replace('/', '-')}-{digest.hexdigest()[:20]}.safetensors"
+    if path is not None and path.is_file():
+        try:
+            return load_file(path, device=torch.get_default_device().type)
+        except Exception:  # a damaged entry: train afresh and overwrite it
+            pass
+    state = {k: v.detach().clone() for k, v in on_one_thread(train).state_dict().items()}
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            save_file({k: v.contiguous().cpu() for k, v in state.items()}, tmp)
+            os.replace(tmp, path)
+        except OSError as err:
+            warnings.warn(f"stabench: cannot cache the warm start {name} in {folder}: {err}", stacklevel=2)
+    return state
 
 
 def on_default_device(array: np.ndarray) -> torch.Tensor:
