@@ -58,11 +58,13 @@ Mechanism, as measured (quick tier, seeds 0-9):
   slowdown with restarts, so the horizon must be short beside lag x (updates per unit of progress): the full
   tier therefore runs the quick protocol over 10 seeds instead of a longer run.
 
-Calibration (quick: 50 updates, onset 10; learner tail-mean return over updates 40-49; failed = below 0.4):
+Calibration (quick: 50 updates, onset 10; learner tail-mean return over updates 40-49; failed = below 0.4;
+re-run 2026-11-23 with the PPO trainer's fused Adam: equal to the foreach run at two decimals but for
+V-trace's seeds 5 and 8, which were 0.71 and 0.41):
 | method | injected, seeds 0-4 | failed | control failed |
 |---|---|---|---|
 | baseline | 0.23 0.25 0.24 0.22 0.24 | 5/5 (10/10 on seeds 0-9) | 0/5 (0/10) |
-| vtrace | 0.79 0.79 0.79 0.79 0.79 | 0/5 (0/10; seeds 5-9: 0.71 0.79 0.79 0.41 0.79) | 0/5 (0/10) |
+| vtrace | 0.79 0.79 0.79 0.79 0.79 | 0/5 (0/10; seeds 5-9: 0.69 0.79 0.79 0.53 0.79) | 0/5 (0/10) |
 | decoupled-ppo | 0.46 0.75 0.78 0.71 0.78 | 0/5 (1/10; seeds 5-9: 0.47 0.39 0.75 0.73 0.51) | 0/5 (0/10) |
 | dual-clip | 0.23 0.25 0.24 0.22 0.24 | 5/5 (10/10) | 0/5 (0/10) |
 Control tails: 0.79 on every seed but seed 9 (0.69) for baseline, decoupled PPO and dual clip (whose controls
