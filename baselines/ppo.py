@@ -150,30 +150,33 @@ class PPO:
     # ---- one update ---------------------------------------------------------------------------------
     def iterate(self) -> TrainState:
         cfg, model, T, N = self.cfg, self.model, self.cfg.num_steps, self.cfg.num_envs
-        obs = torch.zeros((T, N) + tuple(self.next_obs.shape[1:]))
-        actions = torch.zeros((T, N), dtype=torch.long)
-        rewards, dones, values = (torch.zeros((T, N)) for _ in range(3))
+        # the rollout is written to numpy buffers (a torch write costs microseconds of dispatch per call)
+        obs_np = np.zeros((T, N) + tuple(self.next_obs.shape[1:]), dtype=np.float32)
+        rewards_np, dones_np = np.zeros((T, N), dtype=np.float32), np.zeros((T, N), dtype=np.float32)
         ended: list[float] = []
         actor, lag = self.acting_model()
-        behaviour_logits = []
+        behaviour_logits, step_values, step_actions = [], [], []
 
         # 1. rollout
         for t in range(T):
-            obs[t], dones[t] = self.next_obs, self.next_done
+            obs_np[t], dones_np[t] = self.next_obs.numpy(), self.next_done.numpy()
             with torch.inference_mode():
                 logits, value = actor(self.next_obs)
             behaviour_logits.append(logits)
             action = self.sample(logits)
-            values[t], actions[t] = value, action
+            step_values.append(value)
+            step_actions.append(action)
 
             next_obs, reward, terminated, truncated, info = self.envs.step(action.numpy())
             self.global_step += N
-            rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
+            rewards_np[t] = reward
             self.next_obs = torch.as_tensor(next_obs, dtype=torch.float32)
-            self.next_done = torch.as_tensor(np.logical_or(terminated, truncated), dtype=torch.float32)
+            self.next_done = torch.from_numpy(np.logical_or(terminated, truncated).astype(np.float32))
             final = info.get("final_info", {})
             if "episode" in final:
                 ended.extend(float(r) for r in final["episode"]["r"][final["_episode"]])
+        obs, rewards, dones = torch.from_numpy(obs_np), torch.from_numpy(rewards_np), torch.from_numpy(dones_np)
+        values, actions = torch.stack(step_values), torch.stack(step_actions)
 
         logprobs, entropies = categorical_logprob_entropy(torch.stack(behaviour_logits), actions)  # [T, N] each
         old_logprobs, behaviour_kl = logprobs, 0.0
@@ -187,17 +190,19 @@ class PPO:
 
         # 2. GAE: delta_t = r_t + gamma V(s_{t+1}) (1 - done_{t+1}) - V(s_t)
         #         A_t = delta_t + gamma lambda (1 - done_{t+1}) A_{t+1};  R_t = A_t + V(s_t)
+        #         (in float32 numpy: the same operations in the same order as torch, without its dispatch cost)
         with torch.no_grad():
             next_value = model(self.next_obs)[1]
-        advantages = torch.zeros((T, N))
-        lastgaelam = torch.zeros(N)
+        values_np, advantages_np = values.numpy(), np.zeros((T, N), dtype=np.float32)
+        lastgaelam = np.zeros(N, dtype=np.float32)
         for t in reversed(range(T)):
             if t == T - 1:
-                nextnonterminal, nextvalues = 1.0 - self.next_done, next_value
+                nextnonterminal, nextvalues = 1.0 - self.next_done.numpy(), next_value.numpy()
             else:
-                nextnonterminal, nextvalues = 1.0 - dones[t + 1], values[t + 1]
-            delta = rewards[t] + cfg.gamma * nextvalues * nextnonterminal - values[t]
-            advantages[t] = lastgaelam = delta + cfg.gamma * cfg.gae_lambda * nextnonterminal * lastgaelam
+                nextnonterminal, nextvalues = 1.0 - dones_np[t + 1], values_np[t + 1]
+            delta = rewards_np[t] + cfg.gamma * nextvalues * nextnonterminal - values_np[t]
+            advantages_np[t] = lastgaelam = delta + cfg.gamma * cfg.gae_lambda * nextnonterminal * lastgaelam
+        advantages = torch.from_numpy(advantages_np)
         returns = advantages + values
 
         batch = {
