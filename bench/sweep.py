@@ -1,6 +1,7 @@
 """Sweep benchmarks through Ray Tune: scaling from 1 to 2 worker CPUs, the quick tier's wall time, memory.
 
     python bench/sweep.py scaling   # the smoke grid (default suite, 2 seeds), --cpus 1 vs 2, ABBA order
+    python bench/sweep.py scaling --sweep "--tier quick --tasks parallel-staleness"  # a compute-bound sweep
     python bench/sweep.py quick     # the whole quick tier, wall time and peak memory of the sweep
     python bench/sweep.py trial     # peak resident memory of one quick-tier trial per task, in-process
 
@@ -45,8 +46,9 @@ def stabench(*args: str) -> list[str]:
     return [sys.executable, "-m", "suite.cli", *args]
 
 
-def scaling(repeats: int) -> None:
-    """The smoke grid with 1 and 2 worker CPUs, in ABBA order after one untimed priming run.
+def scaling(repeats: int, extra: list[str]) -> None:
+    """The smoke grid (or the sweep `extra` names) with 1 and 2 worker CPUs, in ABBA order after one untimed
+    priming run.
 
     The priming run fills a fresh warm-start cache (`STABENCH_CACHE`) and the OS's file cache, as any
     earlier sweep on the machine would have; without it the first timed run would pay both alone.
@@ -55,13 +57,14 @@ def scaling(repeats: int) -> None:
     order = ["1", "2", "2", "1"] * repeats
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "STABENCH_CACHE": f"{tmp}/cache"}
-        smoke = ["run", "--tier", "smoke", "--seeds", "2"]
+        smoke = ["run", *(extra or ["--tier", "smoke", "--seeds", "2"])]
         wall, _, rc = watched(stabench(*smoke, "--cpus", "2", "--out", f"{tmp}/prime"), env)
         print(f"priming run (untimed): {wall:.1f} s, exit {rc}", flush=True)
         for i, cpus in enumerate(order):
             wall, peak, rc = watched(stabench(*smoke, "--cpus", cpus, "--out", f"{tmp}/run{i}"), env)
             times[cpus].append(wall)
-            print(f"smoke grid, {cpus} worker CPU(s): {wall:.1f} s wall, peak {peak:.2f} GiB, exit {rc}", flush=True)
+            print(f"{' '.join(smoke[1:])}, {cpus} worker CPU(s): {wall:.1f} s wall, peak {peak:.2f} GiB, exit {rc}",
+                  flush=True)
     one, two = statistics.mean(times["1"]), statistics.mean(times["2"])
     print(f"mean of {len(times['1'])} runs each: {one:.1f} s vs {two:.1f} s; speed-up 1 -> 2 CPUs: {one / two:.2f}x "
           f"(target >= 1.7x)")
@@ -90,10 +93,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=["scaling", "quick", "trial"])
     parser.add_argument("--repeats", type=int, default=1, help="scaling: ABBA blocks of timed runs (default: 1)")
+    parser.add_argument("--sweep", default="", help="scaling: `stabench run` options in place of the smoke grid's "
+                        "(for example \"--tier quick --tasks parallel-staleness\")")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.what == "scaling":
-        scaling(args.repeats)
+        scaling(args.repeats, args.sweep.split())
     else:
         {"quick": quick, "trial": trial}[args.what]()
