@@ -5,10 +5,12 @@ divided by 10 so every entry lies in [0, 1]; 147 inputs) and acts with the first
 (turn left, turn right, forward), which are all an empty room needs.
 
 Importing this module registers the flattened worlds under the `stabench/` namespace, for example
-`gymnasium.make("stabench/EmptyFlat-5x5-v0")`. `make_vector_env` builds the training vector env: a
-`SyncVectorEnv` with same-step autoreset whose sub-envs record true episode statistics *below* a
-`RewardScale` wrapper, so a task can multiply the reward the learner sees (`vec.set_attr("reward_scale",
-1000.0)`) while `info["final_info"]["episode"]["r"]` keeps reporting the true, unscaled return.
+`gymnasium.make("stabench/EmptyFlat-5x5-v0")`: MiniGrid's empty room stepped from a table of MiniGrid's
+own views and transitions (`EmptyRoomFlat`, equal to `flatten_minigrid(EmptyEnv(...))` bit for bit).
+`make_vector_env` builds the training vector env: a `SyncVectorEnv` with same-step autoreset whose sub-envs
+record true episode statistics *below* a `RewardScale` wrapper, so a task can multiply the reward the
+learner sees (`vec.set_attr("reward_scale", 1000.0)`) while `info["final_info"]["episode"]["r"]` keeps
+reporting the true, unscaled return.
 """
 
 from __future__ import annotations
