@@ -80,11 +80,8 @@ def sb3() -> Callable[[int], None]:
     model = SB3PPO("MlpPolicy", envs, n_steps=N_STEPS, batch_size=UPDATE // MINIBATCHES, n_epochs=EPOCHS,
                    learning_rate=LR, device="cpu", seed=0, verbose=0,
                    policy_kwargs={"features_extractor_class": Trunk, "net_arch": {"pi": [], "vf": []}})
-    first = [True]
-
-    def run(updates: int) -> None:
-        model.learn(total_timesteps=updates * UPDATE, reset_num_timesteps=first[0])
-        first[0] = False
+    def run(updates: int) -> None:  # the first call resets the envs itself (no last observation yet)
+        model.learn(total_timesteps=updates * UPDATE, reset_num_timesteps=False)
 
     return run
 

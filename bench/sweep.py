@@ -57,13 +57,13 @@ def scaling(repeats: int, extra: list[str]) -> None:
     order = ["1", "2", "2", "1"] * repeats
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "STABENCH_CACHE": f"{tmp}/cache"}
-        smoke = ["run", *(extra or ["--tier", "smoke", "--seeds", "2"])]
-        wall, _, rc = watched(stabench(*smoke, "--cpus", "2", "--out", f"{tmp}/prime"), env)
+        sweep = ["run", *(extra or ["--tier", "smoke", "--seeds", "2"])]
+        wall, _, rc = watched(stabench(*sweep, "--cpus", "2", "--out", f"{tmp}/prime"), env)
         print(f"priming run (untimed): {wall:.1f} s, exit {rc}", flush=True)
         for i, cpus in enumerate(order):
-            wall, peak, rc = watched(stabench(*smoke, "--cpus", cpus, "--out", f"{tmp}/run{i}"), env)
+            wall, peak, rc = watched(stabench(*sweep, "--cpus", cpus, "--out", f"{tmp}/run{i}"), env)
             times[cpus].append(wall)
-            print(f"{' '.join(smoke[1:])}, {cpus} worker CPU(s): {wall:.1f} s wall, peak {peak:.2f} GiB, exit {rc}",
+            print(f"{' '.join(sweep[1:])}, {cpus} worker CPU(s): {wall:.1f} s wall, peak {peak:.2f} GiB, exit {rc}",
                   flush=True)
     one, two = statistics.mean(times["1"]), statistics.mean(times["2"])
     print(f"mean of {len(times['1'])} runs each: {one:.1f} s vs {two:.1f} s; speed-up 1 -> 2 CPUs: {one / two:.2f}x "

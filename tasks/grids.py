@@ -29,6 +29,11 @@ N_ACTIONS = 3  # turn left, turn right, move forward
 OBS_SCALE = 10.0  # largest MiniGrid object index is 10, so obs / 10 lies in [0, 1]
 
 
+def flat_view(image: np.ndarray) -> np.ndarray:
+    """MiniGrid's image observation as the family's float32 vector in [0, 1]."""
+    return np.asarray(image, dtype=np.float32).reshape(-1) / OBS_SCALE
+
+
 class FlatObs(gym.ObservationWrapper):
     """Flatten an image observation into a float32 vector and divide it by `OBS_SCALE`."""
 
@@ -38,7 +43,7 @@ class FlatObs(gym.ObservationWrapper):
         self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(n,), dtype=np.float32)
 
     def observation(self, observation: np.ndarray) -> np.ndarray:
-        return (np.asarray(observation, dtype=np.float32).reshape(-1) / OBS_SCALE).astype(np.float32)
+        return flat_view(observation)
 
 
 class FirstActions(gym.ActionWrapper):
@@ -118,10 +123,6 @@ class RoomTable:
 _TABLES: dict[tuple[int, int], RoomTable] = {}
 
 
-def _flat(image: np.ndarray) -> np.ndarray:
-    return np.asarray(image, dtype=np.float32).reshape(-1) / OBS_SCALE  # as FlatObs writes it
-
-
 def room_table(size: int, max_steps: int) -> RoomTable:
     """The table of MiniGrid's empty `size` x `size` room, built once per process."""
     key = (size, max_steps)
@@ -136,12 +137,12 @@ def room_table(size: int, max_steps: int) -> RoomTable:
         goal_obs = np.zeros((len(states), int(np.prod(env.observation_space["image"].shape))), dtype=np.float32)
         for i, (x, y, d) in enumerate(states):
             env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-            obs.append(_flat(env.gen_obs()["image"]))
+            obs.append(flat_view(env.gen_obs()["image"]))
             for a in range(N_ACTIONS):
                 env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
                 view, _, terminated, _, _ = env.step(a)
                 if terminated:
-                    nxt[i, a], goal_obs[i] = -1, _flat(view["image"])
+                    nxt[i, a], goal_obs[i] = -1, flat_view(view["image"])
                 else:
                     nxt[i, a] = index[(int(env.agent_pos[0]), int(env.agent_pos[1]), env.agent_dir)]
         _TABLES[key] = RoomTable(torch.as_tensor(np.stack(obs)), nxt, index[start], max_steps, goal_obs,

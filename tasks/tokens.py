@@ -67,7 +67,7 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
     (`source`, its path) and of this one, the torch and transformers versions, the device and the CPU's
     kernel set; any change trains afresh. Entries are safetensors (no pickle) written atomically, so
     concurrent workers at worst train the same start twice. A cache that cannot be written is reported
-    once as a warning and otherwise ignored.
+    as a warning and otherwise ignored.
     """
     import transformers
 
