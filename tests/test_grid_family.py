@@ -196,6 +196,8 @@ def test_the_table_driven_room_renders_as_minigrid() -> None:
 def test_the_table_driven_room_rejects_bad_steps() -> None:
     from tasks.grids import EmptyRoomFlat
 
+    with pytest.raises(ValueError, match="render_mode 'ansi' is not one of"):
+        EmptyRoomFlat(size=5, render_mode="ansi")
     env = EmptyRoomFlat(size=5)
     env.reset(seed=0)
     with pytest.raises(ValueError, match="not one of the room's 3 actions"):
