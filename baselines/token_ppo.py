@@ -241,9 +241,10 @@ class TokenPPO:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                self.stabilizer.after_backward(self.policy)
+                # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
                 grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
+                self.stabilizer.after_backward(self.policy)
                 self.optimizer.step()
                 self.critic_optimizer.step()
 

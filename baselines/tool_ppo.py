@@ -160,9 +160,10 @@ class ToolPPO:
                     raise Diverged(f"non-finite tool-PPO loss at iteration {self.iteration}: {float(loss)}")
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                self.stabilizer.after_backward(self.policy)
+                # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
                 grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
-                minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]))
+                minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
+                self.stabilizer.after_backward(self.policy)
                 self.optimizer.step()
 
         with torch.no_grad():

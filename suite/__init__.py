@@ -6,5 +6,5 @@ The public API is small: `Task`, `Stabilizer`, `Detector` (from `suite.api`), th
 
 from suite.api import Budget, Detector, DetectorSpec, Diverged, GroundTruth, Stabilizer, Task, TrainState
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # 0.2: tasks demand learning after onset, floors anchored on the frozen policy
 __all__ = ["Budget", "Detector", "DetectorSpec", "Diverged", "GroundTruth", "Stabilizer", "Task", "TrainState"]

@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # torch is imported by the code that builds models, not by th
     from torch import nn
 
 TIERS: tuple[str, ...] = ("smoke", "quick", "full")
+# Learners that do not learn (`suite.references`): they anchor the floor of the stabilizer track.
+REFERENCE_METHODS: tuple[str, ...] = ("no-update", "frozen-at-onset")
 VARIANTS: tuple[str, ...] = ("injected", "control")
 
 
@@ -142,7 +144,16 @@ class Stabilizer:
 
 
 class Detector:
-    """A streaming rule over one run's diagnostics: `update` sees one row at a time, in order."""
+    """A streaming rule over one run's diagnostics: `update` sees one row at a time, in order.
+
+    The row a detector receives is what a practitioner watching the run would see (`suite.detectors.
+    visible_row`): `iteration`, `step` and every metric and diagnostic column the task's run logs, with
+    missing values as NaN. Never in it: the true return `return`, every `gt_*` column, the task's
+    ground-truth metric, the columns the task lists in `Task.privileged`, the other detectors' alarms,
+    and the run's bookkeeping (task, method, seed, variant, phase, status, divergence marker). A
+    detector cannot tell an injected branch from its control except through the diagnostics themselves.
+    `for_task` may read the task's declared pairing (`Task.detector`) and the tier's budget (its onset).
+    """
 
     name: ClassVar[str] = "detector"
 
@@ -184,6 +195,15 @@ class Task:
 
     A subclass sets the class attributes below and implements `build`. The docstring of a subclass
     states the mechanism its calibration measured, not only the name of the failure mode.
+
+    The rule every task follows: a failure mode matters because it stops or corrupts learning that should
+    happen, so the post-onset phase holds something worth learning in both branches (a shifted problem, or
+    a reward whose optimum is worth clearly more than the policy at onset). The control learns it, the
+    injected baseline fails to, the matched fix learns it despite the injection, and a learner that does
+    not learn (`no-update`, `frozen-at-onset`) fails. Normalized return is anchored on that: `return_floor`
+    is what the policy frozen at onset earns on the post-onset objective, `return_ceiling` the post-onset
+    optimum (or what the control reaches); both are fixed numbers per task version, and the docstring says
+    how each was obtained (exactly, or measured once on named seeds).
     """
 
     id: ClassVar[str]
@@ -196,11 +216,15 @@ class Task:
     methods: ClassVar[tuple[str, ...]]  # default methods of a sweep: baseline, the fix, named non-fixes
     detector: ClassVar[DetectorSpec]
     diagnostics: ClassVar[tuple[str, ...]]  # diagnostic columns every row carries
-    return_floor: ClassVar[float]  # fixed per task and version: normalized return 0 ...
-    return_ceiling: ClassVar[float]  # ... and 1
-    # The detector track's window: a detection counts only within this share of the post-onset horizon
-    # after onset (set from how fast the task's failure measurably develops; later alarms are misses).
+    return_floor: ClassVar[float]  # fixed per task version: 0 = the policy frozen at onset, after onset ...
+    return_ceiling: ClassVar[float]  # ... and 1 = the post-onset optimum (or the control's reach)
+    # Kept for tasks that still set it; the detector track no longer reads it (its credit decays over the
+    # whole post-onset horizon, see `suite.scoring`).
     detection_window: ClassVar[float] = 0.25
+    # Columns a detector must not see beyond `return`, the `gt_*` columns and the ground-truth metric
+    # (a held-out gold score, an exact quantity the practitioner cannot measure). A task that wants to
+    # expose the training reward it observes adds its own column (for example `reward_observed`).
+    privileged: ClassVar[tuple[str, ...]] = ()
     experimental: ClassVar[bool] = False
     # Optional: a dataclass of constructor knobs with a `check(horizon)` method raising StabenchError and an
     # optional `onset` field overriding the tiers' onsets (smoke excepted). The task then sets `self.knobs`.
@@ -239,6 +263,8 @@ class Task:
     def role(self, method: str) -> str:
         if method == "baseline":
             return "baseline"
+        if method in REFERENCE_METHODS:
+            return "reference"
         return "matched-fix" if method == self.matched_fix else "other"
 
     def normalized_return(self, value: float) -> float:

@@ -85,6 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tasks=tuple(map(refs, tasks)),
         methods=tuple(map(refs, args.methods)) if args.methods else None,
         seeds=args.seeds,
+        seed_start=args.seed_start,
         stabilizers=tuple(map(refs, args.stabilizer or ())),
         detectors=(*registry.DEFAULT_DETECTORS, *map(refs, args.detector or ())),
         grid=args.grid,
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", type=_csv, help="only the tasks of these families: reasoning, tools, grids")
     p.add_argument("--methods", type=_csv, help="comma-separated methods (default: each task's own)")
     p.add_argument("--seeds", type=int, help="seeds per task and method (default: the tier's budget)")
+    p.add_argument("--seed-start", type=int, default=0,
+                   help="first seed (default 0); fresh seeds nobody tuned on, for example --seed-start 100")
     p.add_argument("--stabilizer", action="append", help="a plugin FILE.py:ClassName added to every task it fits")
     p.add_argument("--detector", action="append", help="a plugin detector FILE.py:ClassName")
     p.add_argument("--out", help="output folder (default: results/runs/<tier>-<time>)")

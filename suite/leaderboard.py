@@ -39,9 +39,9 @@ from suite.api import StabenchError
 
 COLUMNS = [
     "track", "name", "version", "tier", "suite_version", "libraries", "git_commit", "date", "n_seeds",
-    "per_task", "aggregate", "ci_low", "ci_high", "results_digest", "row_digest",
+    "per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "results_digest", "row_digest",
 ]
-SCORE_FIELDS = ("per_task", "aggregate", "ci_low", "ci_high", "n_seeds")
+SCORE_FIELDS = ("per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "n_seeds")
 DEFAULT_PATH = Path("results/leaderboard.csv")
 
 
@@ -190,10 +190,13 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     for method in methods or []:
         own = per_run[(per_run["method"] == method) & (per_run["variant"] == "injected")]
         per_task = {t: round(float(g["normalized_return"].mean()), 6) for t, g in own.groupby("task")}
+        healthy = per_run[(per_run["method"] == method) & (per_run["variant"] == "control")]
+        control = {t: round(float(g["normalized_return"].mean()), 6) for t, g in healthy.groupby("task")}
         agg = aggregate[method]
         rows.append({**common, "track": "stabilizer", "name": method, "version": _version(table, method),
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
-                     "per_task": json.dumps(per_task, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
+                     "per_task": json.dumps(per_task, sort_keys=True),
+                     "control_per_task": json.dumps(control, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
                      "ci_low": _fmt(agg["ci_low"]), "ci_high": _fmt(agg["ci_high"])})
     runs = scoring.detector_runs(table, per_run)
     for detector in detectors or []:
@@ -205,7 +208,8 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         value, low, high = _detector_aggregate(own)
         rows.append({**common, "track": "detector", "name": detector, "version": "1",
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
-                     "per_task": json.dumps(per_task, sort_keys=True), "aggregate": _fmt(value),
+                     "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
+                     "aggregate": _fmt(value),
                      "ci_low": _fmt(low), "ci_high": _fmt(high)})
     for row in rows:
         row["row_digest"] = row_digest(row)
@@ -311,9 +315,13 @@ def render_markdown(rows: list[dict], path: Path) -> None:
         lines += [f"## {title}", "", f"Aggregate: {unit}, 95% stratified bootstrap interval.", ""]
         lines.append("| name | version | tier | seeds | aggregate [95% CI] | " + " | ".join(tasks) + " | date |")
         lines.append("|---" * (6 + len(tasks)) + "|")
+        if track == "stabilizer":
+            lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
+                      "method's cost on healthy training).", ""]
         for r in mine:
-            per = json.loads(r["per_task"])
-            cells = [("-" if per.get(t) is None else f"{per[t]:.3g}") for t in tasks]
+            per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
+            cells = [("-" if per.get(t) is None else f"{per[t]:.3g}")
+                     + (f" ({healthy[t]:.3g})" if healthy.get(t) is not None else "") for t in tasks]
             agg = f"{float(r['aggregate']):.3g} [{float(r['ci_low']):.3g}, {float(r['ci_high']):.3g}]"
             lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
                          + " | ".join(cells) + f" | {r['date'][:10]} |")

@@ -33,6 +33,8 @@ BUILTIN_TASKS: dict[str, str] = {
 
 BUILTIN_STABILIZERS: dict[str, str] = {
     "baseline": "suite.api:Stabilizer",
+    "no-update": "suite.references:NoUpdate",
+    "frozen-at-onset": "suite.references:FrozenAtOnset",
     "multiskip-residual": "baselines.stabilizers.multiskip_residual:MultiSkipResidual",
     "grad-clip": "baselines.stabilizers.grad_clip:GradClip",
     "kl-max": "baselines.stabilizers.kl_estimators:KLMaxInLoss",
@@ -69,11 +71,16 @@ BUILTIN_DETECTORS: dict[str, str] = {
     "page-hinkley": "suite.detectors:PageHinkley",
     "never": "suite.detectors:Never",
     "always": "suite.detectors:Always",
+    "random-1": "suite.detectors:RandomAlarm1",
     "random": "suite.detectors:RandomAlarm",
+    "random-20": "suite.detectors:RandomAlarm20",
     "oracle": "suite.detectors:Oracle",
+    "injection": "suite.detectors:Injection",
 }
-# Detectors whose alarms a run records; the oracle is scored from the ground truth instead.
-DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS if d != "oracle")
+# Detectors scored from the run's metadata at scoring time (the ground truth, the injection), not from rows.
+SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection")
+# Detectors whose alarms a run records.
+DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS if d not in SCORED_DETECTORS)
 
 _KINDS: dict[str, tuple[dict[str, str], str, type]] = {
     "task": (BUILTIN_TASKS, "stabench.tasks", Task),

@@ -62,6 +62,7 @@ class ExperimentSpec:
     tasks: tuple[str, ...]
     methods: tuple[str, ...] | None = None  # None: each task's own default methods
     seeds: int | None = None  # None: each task's budget at the tier
+    seed_start: int = 0  # seeds seed_start .. seed_start + seeds - 1 (fresh seeds nobody tuned on: e.g. 100)
     stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
     detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
     grid: str | None = None  # a named sweep of task knobs (for example "staleness"), through Tune's grid
@@ -102,8 +103,10 @@ class ExperimentSpec:
             seeds = self.seeds if self.seeds is not None else budget.seeds
             if seeds < 1:
                 raise StabenchError(f"--seeds must be at least 1, got {seeds}")
+            if self.seed_start < 0:
+                raise StabenchError(f"--seed-start must be at least 0, got {self.seed_start}")
             out += [TrialSpec(name, m, s, self.tier, self.detectors, tuple(sorted(cell.items())))
-                    for cell in cells for m in usable for s in range(seeds)]
+                    for cell in cells for m in usable for s in range(self.seed_start, self.seed_start + seeds)]
         if self.grid and not gridded:
             raise StabenchError(f"no requested task has a grid named {self.grid!r}")
         for det in self.detectors:

@@ -13,17 +13,27 @@ Stabilizer track, per task and method:
   each task), and the probability of improvement over the baseline, P(X > Y) + P(X = Y) / 2 from the
   Mann-Whitney U statistic per task, averaged over tasks, with the same stratified interval.
 
-Detector track, per task and detector, on the baseline method's runs (after the Numenta Anomaly
-Benchmark's scoring, standard profile A_TP = 1, A_FN = 1, A_FP = 0.11):
-- an alarm event is a row whose alarm is raised when the previous row's was not;
-- a failing injected run (its ground truth crossed) is detected by its first alarm event inside the
-  detection window [onset, onset + W), W = the task's `detection_window` share of the post-onset horizon;
-  at relative position y = latency / W - 1 in [-1, 0) it earns A_TP * (2 / (1 + e^(5y)) - 1); a miss
-  (no alarm event in the window) costs A_FN and its latency counts as the whole post-onset horizon;
-- every alarm event before onset, and every alarm event on a control run, is a false alarm costing A_FP;
-- score = 100 (S - S_never) / (S_oracle - S_never), clipped to [0, 100], where S_never = -A_FN x failures
-  (no alarm) and S_oracle alarms exactly at onset on every failing run. An alarm held from before onset
-  is not a detection, so `always` earns only false alarms.
+Detector track, per task and detector, on every run of the task (all methods): a chance-corrected,
+timed skill score in the spirit of the Peirce / true skill statistic (hit rate minus false-alarm rate).
+- the first alarm t_a of a run is its first iteration >= onset with the alarm raised (an alarm held
+  from before onset counts at onset); its credit is w = 1 - (t_a - onset) / H, H the post-onset horizon
+  (iterations - onset): the share of the horizon still ahead, strictly decreasing, no cliff; no alarm: 0;
+- positives: injected runs that fail (any method); negatives: control runs that stay healthy and
+  injected runs that stay healthy (the fixes'); a control run that fails is neither (it is left out);
+- score = 100 (mean w over positives - 1/2 (mean w over healthy controls + mean w over healthy injected
+  runs)), the controls alone when no injected run stayed healthy; reported unclipped (below 0 = worse
+  than chance), NaN when no run failed. A detector blind to the outcome (`never`, `always`, `random` at
+  any rate) earns the same credit on positives and negatives: about 0. The `oracle` (alarms at onset on
+  the positives) scores 100, an oracle delayed by d iterations 100 (1 - d / H); `injection` (alarms at
+  onset on every injected run) scores 50 where some injected runs stay healthy, and an oracle that also
+  alarms on every control run 50;
+- 95% interval: percentile bootstrap that resamples seeds within each method (all runs of a resampled
+  seed together), numpy with a fixed seed;
+- lead time, per detected positive: visible_at - t_a, where visible_at is the first post-onset iteration
+  from which, for 3 iterations in a row, the 5-iteration trailing mean of the run's true return lies
+  below its control's (same seed and method) by more than 10% of (ceiling - floor) (a diverged run: at
+  the divergence at the latest). Positive = warned before the return showed anything; reported as the
+  median and the share warned before, over the detected positives whose failure became visible.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from suite.api import GroundTruth, Task
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
-NAB = {"tp": 1.0, "fn": 1.0, "fp": 0.11}
+LEAD_SMOOTHING, LEAD_MARGIN, LEAD_PERSIST = 5, 0.10, 3  # the lead time's "visible in the return"
 
 
 def run_failed(rows: pd.DataFrame, gt: GroundTruth, onset: int, iterations: int) -> bool:
@@ -145,6 +155,7 @@ def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -
         control = group[group["variant"] == "control"]
         norm = injected["normalized_return"].to_numpy(dtype=float)
         low, high = bootstrap_mean_ci(norm)
+        healthy = control["normalized_return"].to_numpy(dtype=float)
         out.append(
             {
                 "task": task_id,
@@ -155,11 +166,13 @@ def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -
                 "normalized_return": float(np.nanmean(norm)) if np.isfinite(norm).any() else math.nan,
                 "ci_low": low,
                 "ci_high": high,
+                # the cost of the method on healthy training: the control's normalized return beside it
+                "control_normalized_return": float(np.nanmean(healthy)) if np.isfinite(healthy).any() else math.nan,
                 "n_seeds": int(injected["seed"].nunique()),
                 "drawdown": float(injected["drawdown"].mean()),
             }
         )
-    order = {"baseline": 0, "matched-fix": 1, "other": 2}
+    order = {"baseline": 0, "matched-fix": 1, "other": 2, "reference": 3}
     return sorted(out, key=lambda r: (r["task"], order.get(r["role"], 3), r["method"]))
 
 
@@ -218,113 +231,216 @@ def aggregate(per_run: pd.DataFrame) -> list[dict]:
     return out
 
 
-def _nab_reward(y: float) -> float:
-    return 2.0 / (1.0 + math.exp(5.0 * y)) - 1.0
+def delay_credit(delay: float, horizon: int) -> float:
+    """w(d) = 1 - d / H: the share of the post-onset horizon H still ahead when the alarm came (0 if none)."""
+    if delay is None or not math.isfinite(delay):
+        return 0.0
+    return float(1.0 - min(max(delay, 0.0), horizon) / horizon)
+
+
+def visible_failure_at(injected: pd.DataFrame, control: pd.DataFrame | None, task: Task, onset: int) -> float:
+    """The iteration from which a failure shows in the true return, NaN if it never does.
+
+    The first post-onset iteration t such that, at t, t+1 and t+2, the trailing 5-iteration mean of the
+    injected run's `return` lies below the same seed and method's control (same smoothing) by more than
+    10% of (ceiling - floor); a run that diverged shows its failure at the divergence at the latest.
+    """
+    stop = injected["diverged_at"].max() if "diverged_at" in injected else math.nan
+    at = math.nan
+    if control is not None and len(control) and "return" in injected and "return" in control:
+        smooth = {name: run.set_index("iteration")["return"].astype(float).groupby(level=0).mean().sort_index()
+                  .rolling(LEAD_SMOOTHING, min_periods=1).mean()
+                  for name, run in (("inj", injected), ("ctl", control))}
+        joined = pd.concat(smooth, axis=1).dropna()
+        joined = joined[joined.index >= onset]
+        margin = LEAD_MARGIN * abs(task.return_ceiling - task.return_floor)
+        below = (joined["inj"] < joined["ctl"] - margin).to_numpy()
+        its = joined.index.to_numpy()
+        for i in range(len(below) - LEAD_PERSIST + 1):
+            if below[i:i + LEAD_PERSIST].all():
+                at = float(its[i])
+                break
+    if math.isfinite(stop):
+        at = float(stop) if math.isnan(at) else min(at, float(stop))
+    return at
 
 
 def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per (task, detector, seed, variant) of the baseline's runs: its additive share of the score.
+    """One row per (task, detector, method, seed, variant): the run's class and the credit it earns.
 
-    Columns: `s` (NAB score earned), `null` and `perfect` (what `never` and the oracle earn on this run),
-    `failure` (the run is a failing injected run), `detected`, `latency_steps`, `latency_frac`,
-    `false_iterations` and `negative_iterations` (iterations where any alarm is false).
+    `kind` is `positive` (an injected run that failed), `control` (a control run that stayed healthy),
+    `healthy-injected` (an injected run that stayed healthy) or `excluded` (a control run that failed:
+    neither a target nor a false alarm). `first_alarm` is the first iteration >= onset with the alarm
+    raised (an alarm held from before onset counts at onset), `credit` = w(first_alarm - onset), `lead`
+    = visible_at - first_alarm on detected positives (positive = warned before the return showed it).
+    Every `alarm/<name>` column is scored, plus `oracle` and `injection` from the run's metadata.
     """
     per_run = outcomes(table) if per_run is None else per_run
-    failed = {(r.task, r.seed, r.variant): r.failed for r in per_run[per_run["role"] == "baseline"].itertuples()}
-    base = table[table["role"] == "baseline"]
-    base = base.assign(cell=base["cell"].fillna("") if "cell" in base else "")
+    failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
+    table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
+    scored = [c.split("/", 1)[1] for c in alarm_columns]
+    scored += [d for d in registry.SCORED_DETECTORS if d not in scored]
     rows = []
-    for (name, cell), task_rows in base.groupby(["task", "cell"], sort=True):
+    for (name, cell), task_rows in table.groupby(["task", "cell"], sort=True):
         task_id = f"{name} [{cell}]" if cell else name
         ref = task_rows["task_ref"].iloc[0] if "task_ref" in task_rows else name
         knobs = {c[len("knob_"):]: _plain(task_rows[c].iloc[0]) for c in task_rows if c.startswith("knob_") and cell}
         task = registry.get_task(ref, **knobs)
-        for (seed, variant), run in task_rows.groupby(["seed", "variant"], sort=True):
-            run = run.sort_values("iteration")
-            onset, horizon = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
-            window = max(1, math.ceil(task.detection_window * (horizon - onset)))
+        diagnostics = {d: _diagnostic_of(d, task) for d in scored}
+        runs = {key: run.sort_values("iteration") for key, run in task_rows.groupby(["method", "seed", "variant"])}
+        for (method, seed, variant), run in runs.items():
+            onset, iterations = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
+            horizon = iterations - onset
+            fails = failed.get((task_id, method, seed, variant), False)
+            injected = variant == "injected"
+            kind = ("positive" if fails else "healthy-injected") if injected else ("excluded" if fails else "control")
             it = run["iteration"].to_numpy()
-            steps = run["step"].to_numpy(float)
+            steps = run["step"].to_numpy(float) if "step" in run else it.astype(float)
             before = steps[it == onset - 1]
             start = float(before[0]) if len(before) else 0.0
-            failure = variant == "injected" and failed.get((task_id, seed, variant), False)
-            negative = (it < onset) if variant == "injected" else np.ones(len(it), bool)
-            for column in [*alarm_columns, "alarm/oracle"]:
-                detector = column.split("/", 1)[1]
+            visible = math.nan
+            if kind == "positive":
+                visible = visible_failure_at(run, runs.get((method, seed, "control")), task, onset)
+            post = it >= onset
+            for detector in scored:
                 if detector == "oracle":
-                    alarms = (it == onset) & failure
-                elif column in run:
-                    alarms = run[column].astype("boolean").fillna(False).to_numpy(bool)
+                    first = float(onset) if kind == "positive" else math.nan
+                    alarms = (it == onset) & (kind == "positive")
+                elif detector == "injection":
+                    first = float(onset) if injected else math.nan
+                    alarms = (it == onset) & injected
                 else:
-                    alarms = np.zeros(len(it), bool)
-                events = alarms & ~np.concatenate([[False], alarms[:-1]])
-                row = {
-                    "task": task_id,
-                    "detector": detector,
-                    "diagnostic": _diagnostic_of(detector, task),
-                    "seed": seed,
-                    "variant": variant,
-                    "s": -NAB["fp"] * int((events & negative).sum()),
-                    "null": -NAB["fn"] if failure else 0.0,
-                    "perfect": NAB["tp"] * _nab_reward(-1.0) if failure else 0.0,
-                    "failure": failure,
-                    "detected": False,
-                    "latency_steps": math.nan,
-                    "latency_frac": math.nan,
-                    "false_iterations": int((alarms & negative).sum()),
-                    "negative_iterations": int(negative.sum()),
-                }
-                if failure:
-                    hits = np.flatnonzero(events & (it >= onset) & (it < onset + window))
-                    if len(hits):
-                        latency = it[hits[0]] - onset
-                        row.update(detected=True, latency_frac=latency / (horizon - onset),
-                                   latency_steps=float(steps[hits[0]]) - start)
-                        row["s"] += NAB["tp"] * _nab_reward(latency / window - 1.0)
-                    else:
-                        row.update(latency_frac=1.0, latency_steps=float(np.nanmax(steps)) - start)
-                        row["s"] -= NAB["fn"]
-                rows.append(row)
+                    column = f"alarm/{detector}"
+                    alarms = (run[column].astype("boolean").fillna(False).to_numpy(bool) if column in run
+                              else np.zeros(len(it), bool))
+                    hits = np.flatnonzero(alarms & post)
+                    first = float(it[hits[0]]) if len(hits) else math.nan
+                delay = first - onset
+                detected = math.isfinite(first)
+                step_at = float(steps[it == first][0]) if detected and (it == first).any() else math.nan
+                rows.append({
+                    "task": task_id, "detector": detector, "diagnostic": diagnostics[detector], "method": method,
+                    "role": run["role"].iloc[0] if "role" in run else "", "seed": seed, "variant": variant,
+                    "kind": kind, "failure": kind == "positive", "detected": detected, "first_alarm": first,
+                    "horizon": horizon, "credit": delay_credit(delay, horizon),
+                    "latency_frac": delay / horizon if detected else 1.0,
+                    "latency_steps": (step_at - start if detected else float(np.nanmax(steps)) - start),
+                    "visible_at": visible, "lead": visible - first if kind == "positive" and detected else math.nan,
+                    "alarm_iterations": int(alarms.sum()), "iterations": len(it),
+                })
     return pd.DataFrame(rows)
 
 
-def normalized_detector_score(s: float, null: float, perfect: float) -> float:
-    """100 (S - S_never) / (S_oracle - S_never), clipped to [0, 100]; NaN when nothing failed."""
-    if perfect - null <= 0:
-        return math.nan
-    return float(np.clip(100 * (s - null) / (perfect - null), 0, 100))
+_PARTS = ("positive", "control", "healthy-injected")
+
+
+def _contributions(runs: pd.DataFrame) -> list[tuple[str, np.ndarray]]:
+    """Per (task, method) stratum: one row per seed of [credit sum, count] for each of the three kinds."""
+    strata = []
+    for (task_id, _), g in runs.groupby(["task", "method"], sort=True):
+        per_seed = []
+        for _, s in g.groupby("seed", sort=True):
+            values = []
+            for kind in _PARTS:
+                mine = s.loc[s["kind"] == kind, "credit"]
+                values += [float(mine.sum()), float(len(mine))]
+            per_seed.append(values)
+        strata.append((task_id, np.asarray(per_seed, float)))
+    return strata
+
+
+def skill_score(totals: np.ndarray) -> np.ndarray:
+    """100 (mean w over positives - 1/2 (mean w over controls + mean w over healthy injected runs)); the
+    controls alone when no injected run stayed healthy. `totals[..., :]` = the six sums of `_contributions`;
+    NaN where nothing failed."""
+    totals = np.asarray(totals, float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hit = totals[..., 0] / totals[..., 1]
+        ctl = totals[..., 2] / totals[..., 3]
+        inj = totals[..., 4] / totals[..., 5]
+    both = (totals[..., 3] > 0) & (totals[..., 5] > 0)
+    false = np.where(both, 0.5 * (ctl + inj), np.where(totals[..., 3] > 0, ctl, inj))
+    false = np.where((totals[..., 3] > 0) | (totals[..., 5] > 0), false, 0.0)
+    return np.where(totals[..., 1] > 0, 100.0 * (hit - false), np.nan)
+
+
+def detector_skill(runs: pd.DataFrame, resamples: int = BOOTSTRAP_RESAMPLES // 5) -> tuple[float, float, float]:
+    """The mean over tasks of the skill score of one detector's runs, and its 95% percentile interval from a
+    stratified bootstrap that resamples seeds within each (task, method) (numpy, fixed seed). One task: its score.
+    """
+    strata = _contributions(runs)
+    tasks = sorted({t for t, _ in strata})
+    if not tasks:
+        return math.nan, math.nan, math.nan
+
+    def per_task(sums: dict[str, np.ndarray]) -> np.ndarray:
+        scores = np.stack([skill_score(sums[t]) for t in tasks])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # every task NaN in a resample: NaN, said so
+            return np.nanmean(scores, axis=0)
+
+    full: dict[str, np.ndarray] = {t: np.zeros(6) for t in tasks}
+    for t, c in strata:
+        full[t] = full[t] + c.sum(0)
+    value = float(per_task(full))
+    if math.isnan(value):
+        return value, math.nan, math.nan
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    boot: dict[str, np.ndarray] = {t: np.zeros((resamples, 6)) for t in tasks}
+    for t, c in strata:
+        boot[t] = boot[t] + c[rng.integers(0, len(c), (resamples, len(c)))].sum(1)
+    draws = per_task(boot)
+    draws = draws[np.isfinite(draws)]
+    if not len(draws):
+        return value, math.nan, math.nan
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return value, float(low), float(high)
 
 
 def detector_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> list[dict]:
-    """Per task and detector: detection rate, latency, false alarms per 1,000 iterations, 0-100 score."""
+    """Per task and detector: the skill score with its 95% interval, hit and false-alarm credit, detection
+    rate, latency, false alarms per 1,000 iterations of negative runs, and lead time."""
     runs = detector_runs(table, per_run)
     out = []
     if runs.empty:
         return out
     for (task_id, detector), g in runs.groupby(["task", "detector"], sort=False):
-        fails = g[g["failure"]]
-        negative = int(g["negative_iterations"].sum())
-        out.append(
-            {
-                "task": task_id,
-                "detector": detector,
-                "diagnostic": g["diagnostic"].iloc[0],
-                "detection_rate": float(fails["detected"].mean()) if len(fails) else math.nan,
-                "median_latency_steps": float(fails["latency_steps"].median()) if len(fails) else math.nan,
-                "median_latency_frac": float(fails["latency_frac"].median()) if len(fails) else math.nan,
-                "false_alarms_per_1k": 1000 * int(g["false_iterations"].sum()) / negative if negative else 0.0,
-                "score": normalized_detector_score(g["s"].sum(), g["null"].sum(), g["perfect"].sum()),
-                "n_failures": len(fails),
-            }
-        )
+        pos, neg = g[g["kind"] == "positive"], g[g["kind"].isin(["control", "healthy-injected"])]
+        value, low, high = detector_skill(g)
+        leads = pos["lead"].dropna()
+        totals = sum(c.sum(0) for _, c in _contributions(g))
+        negatives = int(neg["iterations"].sum())
+        out.append({
+            "task": task_id,
+            "detector": detector,
+            "diagnostic": g["diagnostic"].iloc[0],
+            "score": value,
+            "ci_low": low,
+            "ci_high": high,
+            "hit_credit": float(totals[0] / totals[1]) if totals[1] else math.nan,
+            "control_credit": float(totals[2] / totals[3]) if totals[3] else math.nan,
+            "healthy_injected_credit": float(totals[4] / totals[5]) if totals[5] else math.nan,
+            "detection_rate": float(pos["detected"].mean()) if len(pos) else math.nan,
+            "false_alarm_rate": float(neg["detected"].mean()) if len(neg) else math.nan,
+            "median_latency_steps": float(pos["latency_steps"].median()) if len(pos) else math.nan,
+            "median_latency_frac": float(pos["latency_frac"].median()) if len(pos) else math.nan,
+            "false_alarms_per_1k": 1000 * int(neg["alarm_iterations"].sum()) / negatives if negatives else 0.0,
+            "median_lead": float(leads.median()) if len(leads) else math.nan,
+            "warned_before": float((leads > 0).mean()) if len(leads) else math.nan,
+            "n_lead": len(leads),
+            "n_failures": len(pos),
+            "n_negatives": len(neg),
+        })
     return out
 
 
 def _diagnostic_of(detector: str, task: Task) -> str:
     if detector == "oracle":
         return f"ground truth ({task.ground_truth.metric})"
-    if detector in ("never", "always", "random"):
+    if detector == "injection":
+        return "the injection (run metadata)"
+    if detector in ("never", "always") or detector.startswith("random"):
         return "-"
     return task.detector.metric
 
@@ -353,7 +469,8 @@ def format_markdown(result: dict) -> str:
     stab = [{**r, "normalized return [95% CI]": f"{r['normalized_return']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"}
             for r in result["stabilizer_track"]]
     parts = ["### Stabilizer track", "", table(stab, ["task", "method", "role", "failure_rate", "control_failure_rate",
-                                                     "normalized return [95% CI]", "drawdown", "n_seeds"])]
+                                                     "normalized return [95% CI]", "control_normalized_return",
+                                                     "drawdown", "n_seeds"])]
     agg = [{**r, "IQM [95% CI]": f"{r['iqm']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
             "P(improve) [95% CI]": (f"{r['probability_of_improvement']:.2f} [{r['poi_ci_low']:.2f}, "
                                     f"{r['poi_ci_high']:.2f}]") if "probability_of_improvement" in r else "-"}
@@ -362,8 +479,10 @@ def format_markdown(result: dict) -> str:
         parts += ["", "### Across tasks", "", table(agg, ["method", "n_tasks", "IQM [95% CI]", "P(improve) [95% CI]"])]
     det = result.get("detector_track", [])
     if det:
-        parts += ["", "### Detector track", "", table(det, ["task", "detector", "diagnostic", "detection_rate",
-                                                            "median_latency_frac", "false_alarms_per_1k", "score"])]
+        det = [{**r, "score [95% CI]": _score_ci(r)} for r in det]
+        parts += ["", "### Detector track", "", table(det, ["task", "detector", "diagnostic", "score [95% CI]",
+                                                            "detection_rate", "false_alarm_rate",
+                                                            "median_latency_frac", "median_lead", "warned_before"])]
     return "\n".join(parts) + "\n"
 
 
@@ -377,7 +496,7 @@ def format_table(result: dict) -> str:
         f"{r.normalized_return:6.3f} [{r.ci_low:6.3f}, {r.ci_high:6.3f}]" for r in frame.itertuples()
     ]
     cols = ["task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return (95% CI)",
-            "drawdown", "n_seeds"]
+            "control_normalized_return", "drawdown", "n_seeds"]
     parts.append("stabilizer track\n" + frame[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     agg = pd.DataFrame(result.get("aggregate", []))
     if not agg.empty:
@@ -392,7 +511,16 @@ def format_table(result: dict) -> str:
         parts.append("across tasks\n" + agg[keep].to_string(index=False))
     det = pd.DataFrame(result.get("detector_track", []))
     if not det.empty:
-        cols = ["task", "detector", "diagnostic", "detection_rate", "median_latency_frac", "false_alarms_per_1k",
-                "score"]
+        det["score (95% CI)"] = [_score_ci(r) for r in det.to_dict("records")]
+        cols = ["task", "detector", "diagnostic", "score (95% CI)", "detection_rate", "false_alarm_rate",
+                "median_latency_frac", "median_lead", "warned_before"]
         parts.append("detector track\n" + det[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     return "\n\n".join(parts)
+
+
+def _score_ci(row: dict) -> str:
+    """`41.2 [30.1, 52.0]` (the detector skill score and its interval), `-` when nothing failed."""
+    value, low, high = (row.get(k, math.nan) for k in ("score", "ci_low", "ci_high"))
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:5.1f} [{low:5.1f}, {high:5.1f}]"

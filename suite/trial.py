@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from suite import __version__, registry
+from suite import __version__, detectors, registry
 from suite.api import VARIANTS, Diverged
 
 SUITE_VERSION = __version__
@@ -57,6 +57,25 @@ def seed_everything(seed: int) -> None:
 
 
 BRANCH_SEED_OFFSET = 1_000_003  # both branches of a seed restart from the same RNG state (paired)
+
+
+def branch_at_onset(run: Any, stabilizer: Any) -> Any:
+    """A complete copy of `run` at the onset iteration; the `frozen-at-onset` reference stops learning there.
+
+    Only the built-in reference class is switched (stabilizers are never told the onset): it is found in
+    the copy through the deep copy's memo, so the healthy run itself is never touched.
+    """
+    from suite.references import FrozenAtOnset
+
+    memo: dict[int, Any] = {}
+    branch = copy.deepcopy(run, memo)
+    inner = getattr(stabilizer, "inner", stabilizer)
+    if type(inner) is FrozenAtOnset:
+        copied = memo.get(id(inner))
+        if copied is None:
+            raise RuntimeError("frozen-at-onset: the run does not hold its stabilizer, so it cannot be frozen")
+        copied.frozen = True
+    return branch
 
 
 def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | None = None) -> pd.DataFrame:
@@ -120,19 +139,17 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
         rows = [dict(r) for r in shared]
         v_status, v_error = status, error
         if status == "ok":
-            branch = copy.deepcopy(run)
+            branch = branch_at_onset(run, stabilizer)
             seed_everything(spec.seed + BRANCH_SEED_OFFSET)
             v_status, v_error = advance(branch, budget.onset, variant == "injected", variant, rows)
         frame = pd.DataFrame(rows)
         if "diverged_at" not in frame:
             frame["diverged_at"] = np.nan
         frame["diverged_at"] = frame["diverged_at"].max()
-        for det_ref in spec.detectors:
-            detector = registry.make_detector(det_ref, task, budget)
-            if hasattr(detector, "reseed"):
-                detector.reseed(f"{task.id}|{cell_name(spec.knobs)}|{spec.seed}|{variant}")
+        for det_ref in spec.detectors:  # the same replay as `stabench score --detector` on stored rows
             name = registry.resolve_class("detector", det_ref).name
-            frame[f"alarm/{name}"] = [bool(detector.update(r)) for r in frame.to_dict("records")]
+            key = detectors.run_key(task, cell_name(spec.knobs), method, spec.seed)
+            frame[f"alarm/{name}"] = detectors.replay(det_ref, task, budget, frame, key)
         frame["variant"] = variant
         frame["status"] = v_status
         frame["error"] = v_error

@@ -40,8 +40,8 @@ class ToyRun:
             raise Diverged(f"loss {float(loss)}")
         self.opt.zero_grad()
         loss.backward()
+        grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}  # raw, before the hook
         self.stabilizer.after_backward(self.model)
-        grads = {n: p.grad.clone() for n, p in self.model.named_parameters()}
         self.opt.step()
         self.steps += 10
         w = float(self.model.w.weight.detach())

@@ -1,0 +1,80 @@
+"""The reference stabilizers `no-update` and `frozen-at-onset`: learners that do not learn."""
+
+import pytest
+import torch
+from conftest import TOY
+
+from suite import registry
+from suite.api import REFERENCE_METHODS
+from suite.references import FrozenAtOnset
+from suite.trial import TrialSpec, run_trial
+
+TOY_TASK = f"{TOY}:ToyTask"
+
+
+def _rows(method: str):
+    return run_trial(TrialSpec(TOY_TASK, method, 0, "smoke", detectors=()))
+
+
+@pytest.mark.smoke
+def test_no_update_never_moves_the_policy():
+    table = _rows("no-update")
+    assert (table["status"] == "ok").all()
+    assert (table["w"] == 0.0).all()  # the toy's weight starts at 0 and an update would move it toward 1
+    assert set(table["role"]) == {"reference"}
+
+
+@pytest.mark.smoke
+def test_frozen_at_onset_learns_until_onset_then_stops_in_both_branches():
+    frozen, base = _rows("frozen-at-onset"), _rows("baseline")
+    onset = int(frozen["onset_iteration"].iloc[0])
+    healthy = frozen[frozen["iteration"] < onset].sort_values(["variant", "iteration"])
+    same = base[base["iteration"] < onset].sort_values(["variant", "iteration"])
+    assert healthy["w"].tolist() == same["w"].tolist()  # the healthy phase is the baseline's
+    assert healthy["w"].iloc[-1] != 0.0  # and it learned something
+    for variant in ("injected", "control"):
+        post = frozen[(frozen["variant"] == variant) & (frozen["iteration"] >= onset)]["w"]
+        assert post.nunique() == 1 and post.iloc[0] == healthy["w"].iloc[-1]
+    moved = base[(base["variant"] == "control") & (base["iteration"] >= onset)]["w"]
+    assert moved.nunique() > 1  # the baseline keeps learning where the reference stopped
+
+
+class ImpostorFreeze(FrozenAtOnset):
+    """A plugin cannot get itself switched at the onset by subclassing the reference."""
+
+    name = "impostor-freeze"
+
+
+@pytest.mark.smoke
+def test_only_the_builtin_reference_is_told_the_onset():
+    table = run_trial(TrialSpec(TOY_TASK, f"{__file__}:ImpostorFreeze", 0, "smoke", detectors=()))
+    onset = int(table["onset_iteration"].iloc[0])
+    post = table[(table["variant"] == "control") & (table["iteration"] >= onset)]["w"]
+    assert post.nunique() > 1
+
+
+def test_references_are_registered_under_their_names():
+    for name in REFERENCE_METHODS:
+        assert name in registry.names("stabilizer")
+        assert registry.make_stabilizer(name).name == name
+
+
+# One default task per trainer: a reference must run on each (a `None` gradient means "no update there").
+ONE_TASK_PER_TRAINER = ["parallel-staleness", "kl-estimator-bias", "rare-tool-states", "policy-churn",
+                        "value-cold-start"]
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("task_id", ONE_TASK_PER_TRAINER)
+def test_no_update_leaves_every_trainers_policy_untouched(task_id):
+    task = registry.get_task(task_id)
+    budget = task.budget("smoke")
+    torch.manual_seed(0)
+    run = task.build("smoke", 0, registry.make_stabilizer("no-update"))
+    net = getattr(run.trainer, "policy", None) or run.trainer.model
+    before = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    for it in range(budget.iterations):
+        row = run.step(it >= budget.onset)
+        assert "return" in row
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
