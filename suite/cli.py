@@ -117,6 +117,11 @@ def _load_table(directory: str):
 def cmd_score(args: argparse.Namespace) -> int:
     from suite import scoring
 
+    if args.calibration:  # the stabilizer track alone decides the bar
+        from suite import calibration
+
+        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_table(args.dir)))))
+        return 0
     result = scoring.score(_load_table(args.dir))
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=True))
@@ -209,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="the --out folder of a `stabench run`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--calibration", action="store_true",
+                   help="print, per task, whether the run clears the calibration bar (Markdown)")
     p.set_defaults(fn=cmd_score)
 
     p = sub.add_parser("paper", help="rebuild the paper's figures, tables and text from raw results")
