@@ -100,6 +100,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_tables(directories: list[str]):
+    """One table from several finished runs (for example one calibration run per task); rows of one run
+    must not appear twice."""
+    import pandas as pd
+
+    tables = [_load_table(d) for d in directories]
+    if len(tables) == 1:
+        return tables[0]
+    table = pd.concat(tables, ignore_index=True)
+    keys = [c for c in ("task", "cell", "method", "seed", "variant", "iteration") if c in table]
+    if table.duplicated(keys).any():
+        raise StabenchError("the runs overlap: the same task, method, seed and variant appears in two of them")
+    return table
+
+
 def _load_table(directory: str):
     import pandas as pd
 
@@ -120,9 +135,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.calibration:  # the stabilizer track alone decides the bar
         from suite import calibration
 
-        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_table(args.dir)))))
+        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_tables(args.dir)))))
         return 0
-    result = scoring.score(_load_table(args.dir))
+    result = scoring.score(_load_tables(args.dir))
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=True))
     elif args.markdown:
@@ -210,8 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
     p.set_defaults(fn=cmd_run)
 
-    p = sub.add_parser("score", help="score a finished run folder")
-    p.add_argument("dir", help="the --out folder of a `stabench run`")
+    p = sub.add_parser("score", help="score a finished run folder (or several, as one table)")
+    p.add_argument("dir", nargs="+", help="the --out folder of a `stabench run` (several: their rows joined)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--calibration", action="store_true",

@@ -46,3 +46,14 @@ def test_each_check_can_fail_on_its_own():
 def test_a_run_without_the_references_cannot_meet_the_bar():
     (v,) = verdicts(_good()[:2])
     assert v["checks"]["references fail"] is None and not v["meets_bar"]
+
+
+def test_score_refuses_runs_that_overlap(capsys):
+    from pathlib import Path
+
+    from suite.cli import main
+
+    run = str(Path(__file__).parent / "data" / "paper_results")
+    assert main(["score", run, run, "--calibration"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stabench: error: the runs overlap")
