@@ -5,9 +5,16 @@ given another. Missing values (NaN) never raise an alarm and do not update the d
 Warm-up windows are counted in rows seen with a finite value; a detector learns "healthy" from the
 first `warmup` of them (by default half the tier's onset), never from the onset itself.
 
-Reference detectors anchor the score scale: `never` (no alarm), `always` (alarm every row), `random`
-(alarm with a fixed probability per row, seeded) and `oracle` (reads the ground truth: it is scored
-from the run's outcome in `suite.scoring`, alarming exactly at onset on runs that fail).
+Reference detectors anchor the score scale: `never` (no alarm), `always` (alarm every row), `random-1`,
+`random` (5%) and `random-20` (alarm with that probability per row, one seeded stream per run), which
+all score about 0 in expectation; `oracle` (the ground truth: alarms at onset on the injected runs
+that fail, 100) and `injection` (alarms at onset on every injected run: it knows the injection, not the
+outcome). The last two are computed from the run's metadata in `suite.scoring`, never from rows.
+
+What a detector sees: `visible_row` strips every privileged or bookkeeping column from a stored row
+before `Detector.update` (see `suite.api.Detector`), and `replay` runs a detector over one run's rows.
+The runner's trial writes its `alarm/<name>` columns with `replay`, and `stabench score --detector`
+uses the same function on a finished run's stored rows, so both give the same alarms.
 """
 
 from __future__ import annotations
@@ -15,9 +22,105 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import ClassVar
 
-from suite.api import Budget, Detector, Task, ThresholdDetector
+import numpy as np
+import pandas as pd
+
+from suite.api import Budget, Detector, StabenchError, Task, ThresholdDetector
+
+# Columns the harness adds to a run's rows (who, where, what happened): never a detector's input.
+BOOKKEEPING = frozenset({
+    "task", "task_ref", "task_version", "family", "method", "method_ref", "role", "seed", "tier",
+    "onset_iteration", "iterations", "suite_version", "config_hash", "cell", "variant", "status", "error",
+    "phase", "diverged_at",
+})
+
+
+def privileged_columns(task: Task) -> frozenset[str]:
+    """What the task's ground truth is made of: `return`, the ground-truth metric, `Task.privileged`."""
+    return frozenset({"return", task.ground_truth.metric, *getattr(task, "privileged", ())})
+
+
+def hidden(column: str, task: Task) -> bool:
+    """True for a column no detector may read (privileged, a `gt_*` column, bookkeeping or an alarm)."""
+    return (column in privileged_columns(task) or column.startswith(("gt_", "alarm/", "knob_"))
+            or column in BOOKKEEPING)
+
+
+def visible_frame(run: pd.DataFrame, task: Task) -> pd.DataFrame:
+    """One run's rows (iteration order) as a detector sees them: hidden columns and empty ones dropped."""
+    keep = [c for c in run.columns if not hidden(str(c), task)]
+    return run[keep].dropna(axis=1, how="all")
+
+
+def visible_row(row: Mapping[str, object], task: Task) -> dict[str, object]:
+    """One row as a detector sees it."""
+    return {k: v for k, v in row.items() if not hidden(str(k), task)}
+
+
+def run_key(task: Task, cell: str, seed: int) -> str:
+    """The seed of a randomized detector's stream: one per (task, cell, seed). Every method and both
+    branches of a seed share it (common random numbers: the branches share their healthy phase, and
+    the key must not tell a detector which branch it is on), so a detector blind to the outcome earns
+    the same credit on a seed's positives and negatives and its score stays near 0 with few seeds."""
+    return f"{task.id}|{cell}|{int(seed)}"
+
+
+def replay(ref: str, task: Task, budget: Budget, run: pd.DataFrame, key: str) -> np.ndarray:
+    """The alarms (one bool per row, in the rows' order) of a fresh detector fed one run's visible rows."""
+    from suite import registry
+
+    detector = registry.make_detector(ref, task, budget)
+    if hasattr(detector, "reseed"):
+        detector.reseed(key)
+    rows = visible_frame(run, task).to_dict("records")
+    return np.array([bool(detector.update(r)) for r in rows], dtype=bool)
+
+
+def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
+    """A copy of a finished run's table with an `alarm/<name>` column per detector, replayed from its
+    stored rows (an existing column of that name is replaced). Errors are one line for the user."""
+    from suite import registry
+
+    refs = list(refs)
+    names = {}
+    for ref in refs:
+        name = registry.resolve_class("detector", ref).name
+        if name in ("oracle", "injection"):
+            raise StabenchError(f"{name!r} is computed from the ground truth at scoring time, not replayed")
+        names[ref] = name
+    out = table.copy()
+    cells = out["cell"].fillna("") if "cell" in out else pd.Series("", index=out.index)
+    keys = ["task", "method", "seed", "variant"]
+    tasks: dict[str, Task] = {}
+    columns = {name: np.zeros(len(out), dtype=bool) for name in names.values()}
+    position = pd.Series(np.arange(len(out)), index=out.index)
+    for (task_id, cell, method, seed, variant), run in out.assign(_cell=cells).groupby(
+            ["task", "_cell", *keys[1:]], sort=True):
+        ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
+        knobs = {c[len("knob_"):]: _plain(run[c].iloc[0]) for c in run.columns if c.startswith("knob_") and cell}
+        task = tasks.setdefault(f"{ref}|{cell}", registry.get_task(ref, **knobs))
+        budget = task.budget(str(run["tier"].iloc[0]))
+        run = run.sort_values("iteration").drop(columns="_cell")
+        for det_ref, name in names.items():
+            try:
+                alarms = replay(det_ref, task, budget, run, run_key(task, cell, seed))
+            except StabenchError:
+                raise
+            except Exception as exc:  # the plugin's own code failed: one line naming it and the run
+                raise StabenchError(f"detector {name!r} raised on {task_id} {method} seed {seed} {variant}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            columns[name][position[run.index].to_numpy()] = alarms
+    for name, values in columns.items():
+        out[f"alarm/{name}"] = values
+    return out
+
+
+def _plain(value: object) -> object:
+    value = value.item() if hasattr(value, "item") else value
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _value(row: Mapping[str, float], metric: str) -> float:
@@ -141,12 +244,13 @@ class Always(Detector):
 
 
 class RandomAlarm(Detector):
-    """Alarm with probability `rate` per row; seeded by the task so that runs are reproducible."""
+    """Alarm with probability `rate` per row (5%), one seeded stream per run (see `run_key`)."""
 
     name = "random"
+    rate: ClassVar[float] = 0.05
 
-    def __init__(self, rate: float = 0.05, seed: int = 0) -> None:
-        self.rate, self.rng = rate, random.Random(seed)
+    def __init__(self, rate: float | None = None, seed: int = 0) -> None:
+        self.rate, self.rng = type(self).rate if rate is None else rate, random.Random(seed)
 
     @classmethod
     def for_task(cls, task: Task, budget: Budget) -> RandomAlarm:
@@ -154,10 +258,24 @@ class RandomAlarm(Detector):
 
     def reseed(self, run_key: str) -> None:
         """Each run gets its own stream (one shared stream would make every run lucky or unlucky at once)."""
-        self.rng = random.Random(zlib.crc32(run_key.encode()))
+        self.rng = random.Random(zlib.crc32(f"{self.name}|{run_key}".encode()))
 
     def update(self, row: Mapping[str, float]) -> bool:
         return self.rng.random() < self.rate
+
+
+class RandomAlarm1(RandomAlarm):
+    """Alarm with probability 1% per row."""
+
+    name = "random-1"
+    rate = 0.01
+
+
+class RandomAlarm20(RandomAlarm):
+    """Alarm with probability 20% per row."""
+
+    name = "random-20"
+    rate = 0.20
 
 
 class Oracle(Detector):
@@ -169,5 +287,16 @@ class Oracle(Detector):
         return False
 
 
-__all__ = ["Always", "CalibratedThreshold", "Cusum", "Never", "Oracle", "PageHinkley", "RandomAlarm",
-           "ThresholdDetector"]
+class Injection(Detector):
+    """Placeholder in streams: alarms at onset on every injected run, computed at scoring time. It knows
+    that the injection happened, not whether the run fails: the score it earns is what the track does
+    not reward (at most 50 where the fixes keep their injected runs healthy)."""
+
+    name = "injection"
+
+    def update(self, row: Mapping[str, float]) -> bool:
+        return False
+
+
+__all__ = ["Always", "CalibratedThreshold", "Cusum", "Injection", "Never", "Oracle", "PageHinkley", "RandomAlarm",
+           "RandomAlarm1", "RandomAlarm20", "ThresholdDetector", "replay", "replay_table", "visible_row"]
