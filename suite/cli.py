@@ -137,7 +137,12 @@ def cmd_score(args: argparse.Namespace) -> int:
 
         print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_tables(args.dir)))))
         return 0
-    result = scoring.score(_load_tables(args.dir))
+    table = _load_tables(args.dir)
+    if args.detector:  # replay new detectors over the stored rows: no training
+        from suite import detectors, registry
+
+        table = detectors.replay_table(table, [registry.canonical(d) for d in args.detector])
+    result = scoring.score(table)
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=True))
     elif args.markdown:
@@ -162,7 +167,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from suite import leaderboard
 
     rows = leaderboard.read(Path(args.leaderboard))
-    problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs])
+    problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector)
     for problem in problems:
         print(f"mismatch: {problem}", file=sys.stderr)
     print(f"{len(rows)} rows intact; {len(args.dirs)} run folders recomputed; {len(problems)} mismatches")
@@ -231,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--calibration", action="store_true",
                    help="print, per task, whether the run clears the calibration bar (Markdown)")
+    p.add_argument("--detector", action="append",
+                   help="replay this detector (FILE.py:Class, entry point or built-in; repeatable) over the stored "
+                        "rows and score it beside the recorded alarm columns")
     p.set_defaults(fn=cmd_score)
 
     p = sub.add_parser("paper", help="rebuild the paper's figures, tables and text from raw results")
@@ -243,12 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="validate a finished run and append its rows to the leaderboard")
     p.add_argument("dir", help="the --out folder of a finished `stabench run`")
     p.add_argument("--method", action="append", help="submit this method (repeatable; default: all in the run)")
-    p.add_argument("--detector", action="append", help="submit this detector (repeatable)")
+    p.add_argument("--detector", action="append",
+                   help="submit this detector (repeatable): an alarm column of the run, or FILE.py:Class / an entry "
+                        "point replayed over the run's stored rows (detector rows: the canonical run results/quick)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_submit)
 
     p = sub.add_parser("verify", help="check the leaderboard's rows, recomputing those from the given runs")
     p.add_argument("dirs", nargs="*", help="run folders whose rows to recompute")
+    p.add_argument("--detector", action="append",
+                   help="a replayed detector's FILE.py:Class or entry point, to recompute its rows (repeatable)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_verify)
 

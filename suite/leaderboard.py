@@ -5,8 +5,12 @@ the suite and library versions, the git commit of the suite, the date, the numbe
 scores, and the aggregate with its 95% interval:
 - stabilizer track: per task the mean normalized return after onset; aggregate the interquartile mean
   over all (task, seed) runs with a stratified bootstrap interval (`suite.scoring.aggregate`);
-- detector track: per task the 0-100 detection score; aggregate the mean over tasks, with a stratified
-  bootstrap interval that resamples seeds within each task.
+- detector track: per task the detector skill score (`suite.scoring`: 100 oracle, about 0 for any
+  detector blind to the outcome, unclipped); aggregate the mean over tasks, with a stratified bootstrap
+  interval that resamples seeds within each (task, method). Detector rows are computed on the committed
+  canonical quick-tier run (`results/quick`), so every detector is compared on the very same runs: a
+  detector that run did not record is replayed over its stored rows (`stabench submit results/quick
+  --detector FILE.py:Class`, and `stabench verify results/quick --detector FILE.py:Class` to recompute).
 `results_digest` is a digest of the raw table the row was computed from, and `row_digest` a digest of
 the row's own fields: a row edited by hand no longer matches it. `stabench verify DIR` recomputes every
 row whose `results_digest` matches DIR's table and reports any difference.
@@ -25,14 +29,11 @@ import json
 import math
 import os
 import subprocess
-import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from filelock import FileLock
-from scipy import stats
 
 from suite import registry, scoring
 from suite.api import StabenchError
@@ -71,38 +72,6 @@ def _git_commit() -> str:
         return out.stdout.strip() if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def _detector_aggregate(runs: pd.DataFrame) -> tuple[float, float, float]:
-    """Mean over tasks of the detection score, with an interval from resampling seeds within tasks."""
-    per_task = []
-    for _, g in runs.groupby("task", sort=True):
-        by_seed = g.groupby("seed")[["s", "null", "perfect"]].sum()
-        if (by_seed["perfect"] - by_seed["null"]).sum() > 0:
-            per_task.append(by_seed.to_numpy())
-    if not per_task:
-        return math.nan, math.nan, math.nan
-
-    def statistic(*index: np.ndarray, axis: int = -1) -> np.ndarray:
-        scores = []
-        for contributions, idx in zip(per_task, index):
-            picked = contributions[idx.astype(int)]  # (..., seeds, 3)
-            s, null, perfect = picked[..., 0].sum(-1), picked[..., 1].sum(-1), picked[..., 2].sum(-1)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                scores.append(np.clip(100 * (s - null) / (perfect - null), 0, 100))
-        return np.nanmean(scores, axis=0)
-
-    index = [np.arange(len(c)) for c in per_task]
-    value = float(statistic(*index))
-    if all(len(i) < 2 for i in index):
-        return value, value, value
-    with warnings.catch_warnings():  # a degenerate resample gives a NaN interval: missing, said so
-        warnings.simplefilter("ignore", stats.DegenerateDataWarning)
-        res = stats.bootstrap(
-            tuple(index), statistic, n_resamples=scoring.BOOTSTRAP_RESAMPLES // 5, method="percentile",
-            vectorized=True, rng=np.random.default_rng(scoring.BOOTSTRAP_SEED),
-        )
-    return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
 def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
@@ -168,15 +137,28 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     tier = manifest["spec"]["tier"]
     per_run = scoring.outcomes(table)
     all_methods = sorted(table["method"].unique())
-    all_detectors = sorted({c.split("/", 1)[1] for c in table.columns if c.startswith("alarm/")} | {"oracle"})
+    recorded = {c.split("/", 1)[1] for c in table.columns if c.startswith("alarm/")}
+    all_detectors = sorted(recorded | set(registry.SCORED_DETECTORS))
     if methods is None and detectors is None:
         methods, detectors = all_methods, all_detectors
     for m in methods or []:
         if m not in all_methods:
             raise StabenchError(f"method {m!r} is not in this run (it has {', '.join(all_methods)})")
+    names, versions, replays = [], {}, []
     for d in detectors or []:
-        if d not in all_detectors:
-            raise StabenchError(f"detector {d!r} is not in this run (it has {', '.join(all_detectors)})")
+        name, version = d, "1"
+        if d not in all_detectors or d in registry.BUILTIN_DETECTORS:
+            try:
+                cls = registry.resolve_class("detector", registry.canonical(d))
+            except StabenchError as exc:
+                raise StabenchError(f"detector {d!r} is not in this run (it has {', '.join(all_detectors)}) and "
+                                    f"cannot be replayed: {exc}") from exc
+            name = cls.name
+            version = "builtin" if d in registry.BUILTIN_DETECTORS else str(getattr(cls, "version", "1"))
+            if name not in recorded and name not in registry.SCORED_DETECTORS:
+                replays.append(registry.canonical(d))
+        names.append(name)
+        versions[name] = version
     common = {
         "tier": tier,
         "suite_version": manifest["suite_version"],
@@ -198,15 +180,19 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
                      "per_task": json.dumps(per_task, sort_keys=True),
                      "control_per_task": json.dumps(control, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
                      "ci_low": _fmt(agg["ci_low"]), "ci_high": _fmt(agg["ci_high"])})
-    runs = scoring.detector_runs(table, per_run)
-    for detector in detectors or []:
+    if replays:  # detectors the run did not record: replayed over its stored rows (the digest stays the run's)
+        from suite import detectors as library
+
+        table = library.replay_table(table, replays)
+    runs = scoring.detector_runs(table, per_run) if names else pd.DataFrame()
+    for detector in names:
         own = runs[runs["detector"] == detector]
         per_task = {}
         for t, g in own.groupby("task"):
-            value = scoring.normalized_detector_score(g["s"].sum(), g["null"].sum(), g["perfect"].sum())
+            value = scoring.detector_skill(g, resamples=0)[0]
             per_task[t] = None if math.isnan(value) else round(value, 6)
-        value, low, high = _detector_aggregate(own)
-        rows.append({**common, "track": "detector", "name": detector, "version": "1",
+        value, low, high = scoring.detector_skill(own)
+        rows.append({**common, "track": "detector", "name": detector, "version": versions[detector],
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
                      "aggregate": _fmt(value),
@@ -275,8 +261,10 @@ def submit(directory: Path, path: Path = DEFAULT_PATH, methods: list[str] | None
     return new
 
 
-def verify(path: Path, directories: list[Path]) -> list[str]:
-    """Problems found: rows whose scores differ when recomputed from the given run folders."""
+def verify(path: Path, directories: list[Path], detectors: list[str] | None = None) -> list[str]:
+    """Problems found: rows whose scores differ when recomputed from the given run folders. `detectors`:
+    references of replayed detectors (a row names a detector by its class's `name`)."""
+    by_name = {registry.resolve_class("detector", registry.canonical(d)).name: d for d in detectors or []}
     rows = read(path)
     problems = []
     for directory in directories:
@@ -289,7 +277,7 @@ def verify(path: Path, directories: list[Path]) -> list[str]:
         fresh = {(r["track"], r["name"]): r for r in compute_rows(
             table, manifest,
             [r["name"] for r in mine if r["track"] == "stabilizer"],
-            [r["name"] for r in mine if r["track"] == "detector"],
+            [by_name.get(r["name"], r["name"]) for r in mine if r["track"] == "detector"],
         )}
         for row in mine:
             again = fresh[(row["track"], row["name"])]
@@ -306,18 +294,22 @@ def render_markdown(rows: list[dict], path: Path) -> None:
     """`results/LEADERBOARD.md`, rendered from the CSV (never edited by hand)."""
     lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", ""]
     for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
-                               ("detector", "Detector track", "mean detection score (0-100)")):
+                               ("detector", "Detector track", "mean detector skill score (100 = oracle, 0 = chance)")):
         mine = sorted((r for r in rows if r["track"] == track), key=lambda r: -float(r["aggregate"])
                       if r["aggregate"] != "nan" else math.inf)
         if not mine:
             continue
         tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
         lines += [f"## {title}", "", f"Aggregate: {unit}, 95% stratified bootstrap interval.", ""]
-        lines.append("| name | version | tier | seeds | aggregate [95% CI] | " + " | ".join(tasks) + " | date |")
-        lines.append("|---" * (6 + len(tasks)) + "|")
+        if track == "detector":
+            runs = sorted({r["results_digest"][:12] for r in mine})
+            lines += [f"Computed on the run(s) {', '.join(runs)} (results digest); the canonical rows come from "
+                      "`results/quick`, so every detector is scored on the very same runs.", ""]
         if track == "stabilizer":
             lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
                       "method's cost on healthy training).", ""]
+        lines.append("| name | version | tier | seeds | aggregate [95% CI] | " + " | ".join(tasks) + " | date |")
+        lines.append("|---" * (6 + len(tasks)) + "|")
         for r in mine:
             per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
             cells = [("-" if per.get(t) is None else f"{per[t]:.3g}")

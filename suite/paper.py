@@ -82,51 +82,49 @@ MAP_DIAGNOSTICS = ("entropy", "grad_norm_total", "dormant_share", "kl_k1", "kl_k
 
 
 def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Task x diagnostic: median detection latency (share of the post-onset horizon) of Page-Hinkley on
-    each diagnostic, both directions tried, replayed on the stored baseline runs; blank = not logged."""
+    """Task x diagnostic: the detector skill score (`suite.scoring`: 100 = oracle, 0 = chance) of Page-Hinkley
+    on each diagnostic, the better of both directions, replayed on every stored run of the task (all
+    methods, what a detector may see); blank = not logged or privileged."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from suite import registry
+    from suite import detectors, registry
     from suite.detectors import PageHinkley, default_warmup
 
-    base = table[table["role"] == "baseline"]
-    if base.empty:
-        raise Skip("no baseline runs in the results")
-    per_run = scoring.outcomes(base)
-    failed = {(r.task, r.seed): r.failed for r in per_run[per_run["variant"] == "injected"].itertuples()}
     cells = {}
-    for task_id, rows in base.groupby("task"):
+    frame = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
+    for task_id, rows in frame.groupby("task"):
         task = registry.get_task(rows["task_ref"].iloc[0])
         budget = task.budget(rows["tier"].iloc[0])
-        for metric in MAP_DIAGNOSTICS:
-            if metric not in rows or rows[metric].isna().all():
-                continue
-            best = math.nan
-            for above in (True, False):
-                lat = []
-                for seed, run in rows[rows["variant"] == "injected"].groupby("seed"):
-                    if not failed.get((task_id, seed)):
-                        continue
-                    det = PageHinkley(metric, default_warmup(budget), above=above)
-                    hits = [r["iteration"] for r in run.sort_values("iteration").to_dict("records")
-                            if det.update(r) and r["iteration"] >= budget.onset]
-                    lat.append((hits[0] - budget.onset) / (budget.iterations - budget.onset) if hits else 1.0)
-                if lat:
-                    best = np.nanmin([best, float(np.median(lat))])
-            cells[(task_id, metric)] = best
-    if not cells:
-        raise Skip("no failing baseline run to detect")
+        metrics = [m for m in MAP_DIAGNOSTICS if m in rows and rows[m].notna().any() and not detectors.hidden(m, task)]
+        if not metrics:
+            continue
+        columns = {f"alarm/{m}|{d}": np.zeros(len(rows), bool) for m in metrics for d in "+-"}
+        position = pd.Series(np.arange(len(rows)), index=rows.index)
+        for _, run in rows.groupby(["method", "seed", "variant"]):
+            run = run.sort_values("iteration")
+            visible = detectors.visible_frame(run, task).to_dict("records")
+            where = position[run.index].to_numpy()
+            for metric in metrics:
+                for direction in "+-":
+                    det = PageHinkley(metric, default_warmup(budget), above=direction == "+")
+                    columns[f"alarm/{metric}|{direction}"][where] = [det.update(r) for r in visible]
+        scored = pd.DataFrame(scoring.detector_track(rows.assign(**columns)))
+        for metric in metrics:
+            mine = scored[scored["detector"].isin([f"{metric}|+", f"{metric}|-"])]["score"]
+            cells[(task_id, metric)] = float(mine.max()) if mine.notna().any() else math.nan
+    if not cells or all(math.isnan(v) for v in cells.values()):
+        raise Skip("no failing run to detect")
     grid = pd.Series(cells).unstack()
     grid = grid[[c for c in MAP_DIAGNOSTICS if c in grid]]
     fig, ax = plt.subplots(figsize=(1.3 * grid.shape[1] + 4, 0.7 * grid.shape[0] + 2.5))
-    sns.heatmap(grid, annot=True, fmt=".2f", cmap="viridis_r", vmin=0, vmax=1, ax=ax,
-                cbar_kws={"label": "median latency (share of horizon)"})
-    ax.set_xlabel("diagnostic (Page-Hinkley on the baseline's injected runs)")
+    sns.heatmap(grid, annot=True, fmt=".0f", cmap="RdYlGn", vmin=-50, vmax=100, center=0, ax=ax,
+                cbar_kws={"label": "detector skill score (100 = oracle, 0 = chance)"})
+    ax.set_xlabel("diagnostic (Page-Hinkley, better direction, every run of the task)")
     ax.set_ylabel("task")
     ax.tick_params(axis="y", rotation=0)
     ax.tick_params(axis="x", rotation=30)
-    ax.set_title("Failure-mode map: how soon each diagnostic sees each failure (1 = never)")
+    ax.set_title("Failure-mode map: how well and how early each diagnostic tells failing runs from healthy ones")
     return _save(fig, out, "01_failure_mode_map")
 
 
@@ -293,21 +291,52 @@ def fig_leaderboard(table: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def fig_latency(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Detection latency per detector and task (failing baseline runs; a miss counts as the horizon)."""
+    """The detector track: skill score per detector and task with its 95% interval (left), and lead time on
+    detected failing runs, alarm before the failure shows in the true return, as a share of the post-onset
+    horizon (right; above 0 = warned before). The legend sits outside both panels."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
+    result = pd.DataFrame(scoring.detector_track(table))
+    if result.empty or result["score"].isna().all():
+        raise Skip("no failing run in the results")
     runs = scoring.detector_runs(table)
-    runs = runs[runs["failure"]]
-    if runs.empty:
-        raise Skip("no failing baseline run in the results")
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    sns.stripplot(runs, x="detector", y="latency_frac", hue="task", dodge=True, ax=ax, alpha=0.8, jitter=0.15)
-    ax.set_ylabel("latency (share of horizon; 1 = miss)")
-    ax.set_xlabel("detector")
-    ax.tick_params(axis="x", rotation=30)
-    ax.set_title("Detection latency on failing baseline runs")
-    return _save(fig, out, "12_detection_latency")
+    runs = runs[runs["lead"].notna()].assign(lead_frac=lambda r: r["lead"] / r["horizon"])
+    order = (result.groupby("detector")["score"].mean().sort_values(ascending=False).index.tolist())
+    tasks = sorted(result["task"].unique())
+    palette = dict(zip(tasks, sns.color_palette("colorblind", len(tasks))))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 0.42 * len(order) + 2.5), sharey=True)
+    offsets = np.linspace(-0.3, 0.3, len(tasks)) if len(tasks) > 1 else np.zeros(1)
+    for offset, task in zip(offsets, tasks):
+        mine = result[result["task"] == task].set_index("detector").reindex(order)
+        y = np.arange(len(order)) + offset
+        axes[0].errorbar(mine["score"], y, xerr=[mine["score"] - mine["ci_low"], mine["ci_high"] - mine["score"]],
+                         fmt="o", ms=4, capsize=2, color=palette[task], label=task, linewidth=0.8)
+        lead = runs[runs["task"] == task]
+        if len(lead):
+            ly = lead["detector"].map({d: i for i, d in enumerate(order)}).to_numpy(float) + offset
+            jitter = np.random.default_rng(0).uniform(-0.04, 0.04, len(ly))
+            axes[1].scatter(lead["lead_frac"], ly + jitter, s=12, alpha=0.7, color=palette[task])
+    axes[0].axvline(0, **ONSET_STYLE)
+    axes[0].axvline(100, color="0.6", linewidth=0.8)
+    axes[0].set_yticks(range(len(order)))
+    axes[0].set_yticklabels(order)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("skill score (100 = oracle, 0 = chance; 95% interval)")
+    axes[0].set_title("Detector skill per task")
+    axes[1].axvline(0, **ONSET_STYLE)
+    axes[1].set_xlabel("lead time: (failure visible in the return - first alarm) / post-onset horizon")
+    axes[1].set_title("Lead time on detected failing runs (> 0: warned before)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), title="task", frameon=False)
+    fig.tight_layout()
+    paths = []
+    for ext in ("pdf", "png"):
+        path = out / "figures" / f"12_detection_latency.{ext}"
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    plt.close(fig)
+    return paths
 
 
 def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, log: bool = False) -> list[Path]:
@@ -370,8 +399,9 @@ def write_tables(table: pd.DataFrame, out: Path) -> dict[str, str]:
     rendered["value:control_failure_mean"] = f"{base['control_failure_rate'].mean():.2f}" if len(base) else "n/a"
     rendered["value:fix_failure_mean"] = f"{fix['failure_rate'].mean():.2f}" if len(fix) else "n/a"
     if len(det):
-        best = det[~det["detector"].isin(["oracle"])].sort_values("score").groupby("task").tail(1)
-        rendered["table:best_detectors"] = _markdown(best[["task", "detector", "diagnostic", "score"]])
+        best = det[~det["detector"].isin(["oracle", "injection"])].sort_values("score").groupby("task").tail(1)
+        rendered["table:best_detectors"] = _markdown(best[["task", "detector", "diagnostic", "score", "ci_low",
+                                                           "ci_high", "median_lead", "warned_before"]])
     return rendered
 
 

@@ -248,14 +248,15 @@ def visible_failure_at(injected: pd.DataFrame, control: pd.DataFrame | None, tas
     stop = injected["diverged_at"].max() if "diverged_at" in injected else math.nan
     at = math.nan
     if control is not None and len(control) and "return" in injected and "return" in control:
-        smooth = {name: run.set_index("iteration")["return"].astype(float).groupby(level=0).mean().sort_index()
-                  .rolling(LEAD_SMOOTHING, min_periods=1).mean()
-                  for name, run in (("inj", injected), ("ctl", control))}
-        joined = pd.concat(smooth, axis=1).dropna()
-        joined = joined[joined.index >= onset]
-        margin = LEAD_MARGIN * abs(task.return_ceiling - task.return_floor)
-        below = (joined["inj"] < joined["ctl"] - margin).to_numpy()
-        its = joined.index.to_numpy()
+        def smooth(run: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+            values = pd.Series(run["return"].to_numpy(float)).rolling(LEAD_SMOOTHING, min_periods=1).mean()
+            return run["iteration"].to_numpy(), values.to_numpy()
+
+        (it_i, inj), (it_c, ctl) = smooth(injected), smooth(control)
+        its, i_idx, c_idx = np.intersect1d(it_i, it_c, return_indices=True)
+        keep = (its >= onset) & np.isfinite(inj[i_idx]) & np.isfinite(ctl[c_idx])
+        its, gap = its[keep], (ctl[c_idx] - inj[i_idx])[keep]
+        below = gap > LEAD_MARGIN * abs(task.return_ceiling - task.return_floor)
         for i in range(len(below) - LEAD_PERSIST + 1):
             if below[i:i + LEAD_PERSIST].all():
                 at = float(its[i])
@@ -337,17 +338,15 @@ _PARTS = ("positive", "control", "healthy-injected")
 
 def _contributions(runs: pd.DataFrame) -> list[tuple[str, np.ndarray]]:
     """Per (task, method) stratum: one row per seed of [credit sum, count] for each of the three kinds."""
-    strata = []
-    for (task_id, _), g in runs.groupby(["task", "method"], sort=True):
-        per_seed = []
-        for _, s in g.groupby("seed", sort=True):
-            values = []
-            for kind in _PARTS:
-                mine = s.loc[s["kind"] == kind, "credit"]
-                values += [float(mine.sum()), float(len(mine))]
-            per_seed.append(values)
-        strata.append((task_id, np.asarray(per_seed, float)))
-    return strata
+    columns = {}
+    for kind in _PARTS:
+        mine = (runs["kind"] == kind).to_numpy()
+        columns[f"w {kind}"] = np.where(mine, runs["credit"].to_numpy(float), 0.0)
+        columns[f"n {kind}"] = mine.astype(float)
+    frame = pd.DataFrame(columns, index=runs.index).assign(task=runs["task"], method=runs["method"],
+                                                           seed=runs["seed"])
+    sums = frame.groupby(["task", "method", "seed"], sort=True).sum()
+    return [(task_id, g.to_numpy(float)) for (task_id, _), g in sums.groupby(level=[0, 1], sort=True)]
 
 
 def skill_score(totals: np.ndarray) -> np.ndarray:
