@@ -102,6 +102,8 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
         ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
         knobs = {c[len("knob_"):]: _plain(run[c].iloc[0]) for c in run.columns if c.startswith("knob_") and cell}
         task = tasks.setdefault(f"{ref}|{cell}", registry.get_task(ref, **knobs))
+        if "tier" not in run:
+            raise StabenchError("the table has no `tier` column: is it the metrics.parquet of a `stabench run`?")
         budget = task.budget(str(run["tier"].iloc[0]))
         run = run.sort_values("iteration").drop(columns="_cell")
         for det_ref, name in names.items():
