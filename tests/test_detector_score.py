@@ -84,7 +84,11 @@ def test_an_alarm_held_from_before_onset_counts_at_onset_and_a_failing_control_i
 
 def test_a_delayed_oracle_loses_strictly_with_every_iteration_over_the_whole_horizon():
     delays = list(range(H))
-    alarms = {f"late-{d}": (lambda d: lambda r, it: positive(r) & (it >= ONSET + d))(d) for d in delays}
+
+    def late(d: int):
+        return lambda r, it: positive(r) & (it >= ONSET + d)
+
+    alarms = {f"late-{d}": late(d) for d in delays}
     got = scores(make_table(grid(seeds=4), alarms))
     values = [got[f"late-{d}"]["score"] for d in delays]
     assert values[0] == pytest.approx(100.0)
