@@ -184,7 +184,8 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         from suite import detectors as library
 
         table = library.replay_table(table, replays)
-    runs = scoring.detector_runs(table, per_run) if names else pd.DataFrame()
+    keep = [c for c in table.columns if not c.startswith("alarm/") or c.split("/", 1)[1] in names]
+    runs = scoring.detector_runs(table[keep], per_run) if names else pd.DataFrame()  # only the requested ones
     for detector in names:
         own = runs[runs["detector"] == detector]
         per_task = {}
