@@ -15,6 +15,7 @@ from gymnasium.utils.env_checker import check_env
 
 from baselines.stabilizers.reward_ensemble import (
     ConservativeEnsemble,
+    ConservativeEnsembleNoAnchor,
     KLAnchor,
     conservative_reward,
     group_normalized,
@@ -29,7 +30,7 @@ def test_env_passes_check_env_and_pays_the_gold_reward() -> None:
     env = gym.make("stabench/RewardHacking-v0")
     check_env(env.unwrapped, skip_render_check=True)
     table = rh.gold_table()
-    for answer, bonus in (([0, 0, 1, 3], 1.0), ([0, 0, 0, 0], -1.0), ([2, 0, 0, 0], 0.4), ([1, 2, 3, 4], 0.0)):
+    for answer, bonus in (([0, 0, 1, 3], 1.0), ([0, 0, 0, 0], -1.0), ([2, 0, 0, 0], -0.4), ([1, 2, 3, 4], 0.0)):
         env.reset(seed=0)
         rewards = [env.step(a)[1] for a in answer]
         expected = sum(table[t, a] for t, a in enumerate(answer)) + bonus
@@ -38,15 +39,29 @@ def test_env_passes_check_env_and_pays_the_gold_reward() -> None:
     assert int((best == rh.KEYWORD).sum()) == 2  # the best answer holds the keyword twice, not four times
 
 
-def test_reference_writes_the_keyword_rarely_and_the_return_bounds_are_exact() -> None:
+def test_reference_writes_the_keyword_rarely_and_no_hack_or_frozen_policy_reaches_the_target() -> None:
     ref_logp = rh.all_logp(rh.reference_policy())
     pi = ref_logp.exp()
     keyword_share = float((pi * (rh.ALL_ANSWERS == rh.KEYWORD).float().mean(1)).sum())
     assert 0.02 < keyword_share < 0.04
+    reference_gold = float((pi * rh.GOLD_ALL).sum())
+    assert reference_gold == pytest.approx(rh.reference_distribution_gold(), abs=0.05)
     task = rh.RewardHacking()
-    assert task.return_floor == pytest.approx(rh.reference_distribution_gold(), abs=1e-3)
-    assert task.return_ceiling == pytest.approx(float(rh.GOLD_ALL.max()), abs=1e-3)
-    assert float((pi * rh.GOLD_ALL).sum()) == pytest.approx(task.return_floor, abs=0.05)
+    # The ground truth is the exact expected gold: the reference (no-update) and the policy frozen at onset
+    # sit below the target, and so does every answer stuffed with three or four keywords (the hack).
+    assert task.ground_truth.metric == "gold" and task.ground_truth.fails_when == "below"
+    assert reference_gold < task.return_floor < rh.GOLD_TARGET < task.return_ceiling < float(rh.GOLD_ALL.max())
+    stuffed = (rh.ALL_ANSWERS == rh.KEYWORD).sum(1) >= 3
+    assert float(rh.GOLD_ALL[stuffed].max()) < rh.GOLD_TARGET
+    assert float(rh.GOLD_ALL[~stuffed].max()) == pytest.approx(float(rh.GOLD_ALL.max()))
+
+
+def test_the_policy_at_the_smoke_onset_is_below_the_target() -> None:
+    torch.set_num_threads(1)
+    task = rh.RewardHacking()
+    run = task.build("smoke", 0, Stabilizer())
+    rows = [run.step(False) for _ in range(task.budget("smoke").onset)]
+    assert rows[-1]["gold"] < rh.GOLD_TARGET  # frozen here, the run fails
 
 
 def _ensemble_state(run: rh.RewardHackingRun) -> list[torch.Tensor]:
@@ -110,6 +125,10 @@ def test_conservative_ensemble_hooks() -> None:
     expected = (KLAnchor.anchor_beta / 0.02) * 0.5 * torch.tensor([2.9, 2.9]) ** 2
     assert torch.allclose(KLAnchor().kl_loss(torch.zeros(2), kl_batch), expected)
     assert torch.allclose(stab.kl_loss(torch.zeros(2), kl_batch), expected)
+    ablation = ConservativeEnsembleNoAnchor()  # the same advantages, the trainer's KL term untouched
+    assert ablation.k == stab.k and torch.equal(ablation.advantages(torch.zeros(4, 2), batch), adv)
+    per_token = torch.tensor([0.3, 0.7])
+    assert torch.equal(ablation.kl_loss(per_token, kl_batch), per_token)
 
 
 @pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 0}, {"onset": 10_000}, {"onset": 2.5},

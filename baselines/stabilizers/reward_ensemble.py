@@ -14,6 +14,9 @@ that maximizes the ensemble mean is drawn to exactly the answers where the mean 
   gradient is the gradient of the per-token reverse KL(pi || ref); the trainer's default k3 follows the
   forward KL and barely resists mass moving onto tokens the reference finds rare (see kl_estimators.py),
   which is where a hacking policy goes here. The anchor alone is the plain guard the fix is ablated against.
+- Conservative ensemble without the anchor (`ConservativeEnsembleNoAnchor`, not registered; run it by plugin
+  reference `baselines.stabilizers.reward_ensemble:ConservativeEnsembleNoAnchor`): the same advantages, the
+  trainer's own KL term untouched. The ablation that says which part of the fix does the work.
 
 Both read beta from `batch["kl_coef"]`. Without `reward_ensemble` in the batch (another task), the
 conservative ensemble leaves the advantages as they are.
@@ -75,3 +78,14 @@ class ConservativeEnsemble(KLAnchor):
             return advantages
         reward = conservative_reward(ensemble.double(), self.k)
         return (group_normalized(reward, batch["group"]).float()[:, None] * batch["mask"]).to(advantages.dtype)
+
+
+class ConservativeEnsembleNoAnchor(Stabilizer):
+    """The ablation: advantages from mean - k * std of the ensemble, the trainer's own KL term left as it is."""
+
+    name = "conservative-ensemble-no-anchor"
+    trainers = frozenset({"grpo"})
+    k: ClassVar[float] = ConservativeEnsemble.k
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return ConservativeEnsemble.advantages(self, advantages, batch)  # type: ignore[arg-type]
