@@ -1,5 +1,6 @@
-"""missing-critic: critic-free REINFORCE credits a whole answer's advantage to every token; once rewards turn
-sparse and one batch mixes short- and long-horizon problems, the long problems' rare signal drowns and they stall.
+"""missing-critic (EXPERIMENTAL in version 2, see below): critic-free REINFORCE credits a whole answer's
+advantage to every token; once rewards turn sparse and one batch mixes short- and long-horizon problems, the long
+problems' rare signal drowns and they stall.
 
 The world. A tiny GPT-2 policy (1 layer, 32 wide, built from a config) writes 8 tokens from a vocabulary of 4:
 the sub-steps of a walk mod 4, c_t = 1 + (t + 1) mod 4, after a prompt [BOS, kind]. Each batch holds 3 groups of
@@ -14,10 +15,49 @@ all 8 are right. At onset the exact LONG success is 0.003-0.005 and the SHORT su
 
 Ground truth: the exact probability that the policy writes the whole LONG chain right (the correct answer is
 unique: one teacher-forced forward), mean over the last 25% of the run below 0.5. That is the task's return
-too (normalized return = that probability: floor 0, ceiling 1). A run fails when it solves the long problem
-less often than not at the end; the control reaches 0.83-0.90.
+too. A run fails when it solves the long problem less often than not at the end; the control reaches
+0.82-0.86 (seeds 0-9).
 
-Mechanism, as the calibration measured it (quick tier, seeds 0-4). With b the batch-mean reward, every token
+What must be learned after onset (issue 12, "not learning must not win"): at onset (iteration 7) the LONG
+success is 0.001-0.005, so in BOTH branches the long chain is still to be learned (the control's dense reward
+takes it to 0.82-0.86; the injected branch's sparse reward has the same optimum, 1). A learner that stops
+learning fails on every seed: `frozen-at-onset` keeps 0.001-0.005, `no-update` 0.000.
+
+Normalized return (version 2): `return_floor` = 0.0031 is what the policy FROZEN AT ONSET earns, the exact
+(teacher-forced) LONG success of each seed's onset policy averaged over the calibration seeds 0-9 (0.0014
+0.0040 0.0025 0.0052 0.0034 0.0029 0.0034 0.0035 0.0014 0.0037), measured once and fixed.
+`return_ceiling` = 0.515 is what the control reaches: the baseline's control's post-onset mean LONG success
+averaged over seeds 0-9 (0.49-0.54 per seed; it climbs from ~0 to 0.84 over the 33 post-onset iterations),
+measured once and fixed; with the exact optimum 1 as ceiling the control would normalize to 0.51. Version 1
+anchored on 0 and 1. The training code is unchanged from version 1 (same rows).
+
+Calibration, version 2 (quick tier: 40 iterations, onset 7; tail = iterations 30-39; failed = tail below 0.5):
+| method | failed (injected) | control failed | normalized return [95% CI] | injected tail, seeds 0-9 |
+|---|---|---|---|---|
+| baseline | 10/10 | 0/10 | -0.001 [-0.004, 0.002] | 0.00 on every seed (0.01 on seed 7) |
+| mini-critics | 2/10 | 0/10 | 0.789 [0.502, 1.030] | 0.90 0.91 0.78 0.91 0.00 0.92 0.91 0.85 0.00 0.90 |
+| grpo-entropy-bonus-low | 10/10 | 0/10 | -0.004 [-0.005, -0.003] | 0.00 on every seed |
+| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.001, 0.001] | 0.001-0.005 |
+| no-update | 10/10 | 10/10 | -0.006 [-0.006, -0.006] | 0.000 |
+Fresh seeds 100-109 (nobody tuned on them):
+| method | failed (injected) | control failed | normalized return [95% CI] |
+|---|---|---|---|
+| baseline | 9/10 | 0/10 | 0.069 [-0.004, 0.215] |
+| mini-critics | 4/10 | 0/10 | 0.569 [0.272, 0.852] |
+| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.001, 0.001] |
+| no-update | 10/10 | 10/10 | -0.006 [-0.006, -0.006] |
+Mini-critics' tails on seeds 100-109: 0.00 0.00 0.85 0.86 0.00 0.00 0.89 0.91 0.84 0.90; the baseline's
+control tails 0.83-0.85 (control normalized 1.00), mini-critics' control 0.88-0.92.
+
+Why EXPERIMENTAL (version 2): on seeds 0-9 the task meets the bar (fix 2/10, its interval [0.50, 1.03] clear
+of the baseline's and both references'), but on the fresh seeds 100-109 the matched fix fails 4/10, over the
+bar's 20%, and the baseline fails only 9/10; the references are clean. Nothing was tuned on seeds 100-109.
+The fix's failures are one mechanism (above: early commitment to a wrong long answer); what was tried in
+this session is only the re-anchoring of the normalized return; not tried: a later onset or a longer run,
+so that the mini-critics see more long successes before the policy's entropy falls.
+
+Mechanism, as the calibration measured it (quick tier, seeds 0-4, version 1; version 2's seeds 0-9 agree).
+With b the batch-mean reward, every token
 of a SHORT success gets A = 1 - b, its 6 unscored tokens included: these pushes are large, frequent (SHORT
 success climbs to 0.90) and random with respect to the long chain, which shares those positions, while the
 LONG problem's signal comes from a handful of rare successes. The baseline solves SHORT (0.90) and stalls on
@@ -30,13 +70,19 @@ the control (0.45 against 0.13 over the tail), and an entropy bonus (the built-i
 `grpo-entropy-bonus-low`; at its own 0.3 it holds the policy uniform and fails the control too) still fails
 5/5 with entropy 0.4-0.9. Mini-critics (2 MLP critics on disjoint halves of each group, GAE lambda 0.5,
 per-position centred) give the unscored tokens advantages near 0 and the long chain per-token credit: tail
-LONG success 0.90 0.91 0.78 0.91 0.00 (fails 1/5), control 0.88-0.90.
+LONG success 0.90 0.91 0.78 0.91 0.00 (fails 1/5), control 0.88-0.90. Over seeds 0-9 (version 2) it fails 2/10
+(seeds 4 and 8): there the long chain's per-step accuracy stops at 0.4-0.6 while the entropy falls to
+0.17-0.38, so the policy commits to a wrong long answer before enough long successes arrive (on the other
+seeds per-step accuracy reaches 0.98-0.99). That is the fix's limit, measured, not tuned away.
 
-Diagnostic, measured: the trace of the gradient covariance across the 2 minibatches (`grad_var`), median
-after onset 0.133 for the injected baseline against 0.0045 for its control (pre-onset 0.016) and 0.015 with
-mini-critics; the scale-free noise-to-signal ratio `grad_var_rel` 2.4 against 1.2. Part of the jump in
-`grad_var` is the larger advantages of a 0/1 reward, which `grad_var_rel` factors out. The default detector
-alarms at `grad_var` above 0.1 (controls of the baseline peak at 0.096).
+Diagnostic, measured: the trace of the gradient covariance across the 2 minibatches (`grad_var`), median after
+onset 0.133 for the injected baseline against 0.0045 for its control (pre-onset 0.016) and 0.015 with
+mini-critics; the scale-free noise-to-signal ratio `grad_var_rel` 2.4 against 1.2. Part of the jump in `grad_var`
+is the larger advantages of a 0/1 reward, which `grad_var_rel` factors out. The default detector alarms at
+`grad_var` above 0.1, chosen (version 2) ONLY on seeds 100-109, where any threshold between 0.080 and 0.20
+separates and version 1's 0.1 was kept: the baseline's pre-onset rows peak at 0.074 and its control rows at
+0.080, while every injected baseline run crosses 0.1 within 4 iterations of onset (its maximum over the first 8
+post-onset iterations is 0.20-1.04).
 """
 
 from __future__ import annotations
@@ -162,7 +208,7 @@ class MissingCritic(Task):
 
     id = "missing-critic"
     family = "reasoning"
-    version = "1"
+    version = "2"
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
@@ -174,9 +220,11 @@ class MissingCritic(Task):
     methods = ("baseline", "mini-critics", "grpo-entropy-bonus-low")
     detector = DetectorSpec(metric="grad_var", threshold=0.1)
     diagnostics = ("grad_variance",)
-    return_floor = 0.0
-    return_ceiling = 1.0
-    experimental = False
+    # Floor: the policy frozen at onset, its exact LONG success averaged over calibration seeds 0-9; ceiling:
+    # the control's post-onset mean LONG success on the same seeds. Both measured once and fixed (docstring).
+    return_floor = 0.0031
+    return_ceiling = 0.515
+    experimental = True  # the matched fix fails 4/10 on fresh seeds 100-109 (see the docstring)
     knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> MissingCriticRun:

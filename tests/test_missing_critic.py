@@ -121,3 +121,19 @@ def test_bad_onset_raises(onset: object) -> None:
 def test_good_onset_moves_the_quick_tier_only() -> None:
     task = mc.MissingCritic(onset=10)
     assert task.budget("quick").onset == 10 and task.budget("smoke").onset == mc.MissingCritic.budgets["smoke"].onset
+
+
+def test_a_learner_frozen_at_onset_fails_and_scores_the_floor() -> None:
+    """Version 2: the long chain is still to be learned at onset; the policy frozen there keeps its exact LONG
+    success (constant after onset, in both branches), below the ground truth's threshold."""
+    from suite.trial import TrialSpec, run_trial
+
+    rows = run_trial(TrialSpec("missing-critic", "frozen-at-onset", 0, "smoke", detectors=()))
+    onset = mc.MissingCritic().budget("smoke").onset
+    post = rows[rows["iteration"] >= onset]
+    at_onset = rows.loc[rows["iteration"] == onset - 1, "gt_success"].iloc[0]  # after the last healthy update
+    assert set(post["gt_success"]) == {at_onset}  # both branches keep the onset policy exactly
+    assert rows.loc[rows["iteration"] == 0, "gt_success"].iloc[0] != at_onset  # it did learn before onset
+    task = mc.MissingCritic()
+    assert post["gt_success"].iloc[0] < task.ground_truth.threshold
+    assert 0 < task.return_floor < task.ground_truth.threshold and task.return_ceiling > task.return_floor
