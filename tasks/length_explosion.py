@@ -1,55 +1,81 @@
 """length-explosion: per-sequence loss normalization pays for longer reasoning (Dr. GRPO, Liu et al. 2025).
 
-The world. A prompt is two digits a, b in 0..4 (25 prompts); the answer is (a + b) mod 5. The policy writes
-THINK tokens (no content), then one digit, then EOS; the rules are constrained decoding: at least 2 THINK
-(without a floor lengths collapse to 0, as the prototype found), at most 12 (then a digit is forced), EOS
-forced after the digit. The THINK count is the whole reasoning state, so the policy is an MLP over (one-hot
-a, one-hot b, one-hot THINK count) behind a causal-LM interface (`ThinkerPolicy` says why not GPT-2: cost).
-Warm start: 200 full-batch Adam steps on the exact distribution of demonstrations that think 2-4 tokens
-and then answer right (gold accuracy 0.997, mean 3.0 THINK). GRPO: 12 prompts x 8 answers, Adam lr 5e-3,
-one on-policy update, no KL (beta 0), and the length-biased recipe of the prototypes: a BATCH-mean baseline
-A_i = R_i - mean_batch R, no std division, per-sequence aggregation sum_t (.) / |o_i| (`"seq-mean"`).
+EXPERIMENTAL (version 2): the post-onset phase now demands learning (issue 12), but the bar is not met; the
+numbers and what was tried are below.
 
-The injection (injected branch, from onset): 75% of the prompt ids (19 of 25, fixed per seed) get a
-corrupted reference: reward 0 whatever the answer. Nothing in the reward depends on length. The return and
-the ground truth are computed exactly from the policy (one forward gives every prompt's stop distribution).
+The world. A prompt is two digits a, b in 0..4 and a mode: 25 old problems (mode 0, answer (a + b) mod 5) and 25
+new problems (mode 1, answer (a + b + 1) mod 5: a new rule). The policy writes THINK tokens (no content), then one
+digit, then EOS; the rules are constrained decoding: at least 2 THINK (without a floor lengths collapse to 0, as
+the prototype found), and the 12th THINK ends the chain unanswered (truncated at the reasoning budget, reward 0),
+EOS after the digit. (prompt, THINK count) is the whole reasoning state, so the policy is an MLP over (one-hot a,
+one-hot b, one-hot mode, one-hot THINK count) behind a causal-LM interface (`ThinkerPolicy` says why not GPT-2:
+cost). Warm start: 200 full-batch Adam steps on the exact distribution of demonstrations that think 2-4 tokens and
+then answer the old problems right and the new ones with a uniformly random digit (they know the new problems'
+format, not their rule): exact accuracy 0.98-0.99 on the old problems, 0.20 on the new. GRPO: 12 prompts x 8
+answers, Adam lr 1e-2, one on-policy update, no KL (beta 0), and the length-biased recipe of the prototypes: a
+BATCH-mean baseline A_i = R_i - mean_batch R, no std division, per-sequence aggregation sum_t (.) / |o_i|
+(`"seq-mean"`).
 
-Mechanism, as the calibration measured it (quick tier: 120 iterations, onset 30; seeds 0-4; ranges are
-per-seed means over the last quarter). After onset b = mean_batch R is about 0.28, so every answer to a
-corrupted prompt gets A = -b < 0 and contributes (b / N) (1 / |o_i|) sum_t log pi(o_i,t) to the loss: the
-sampled answer is pushed down, with a weight 1 / |o_i| that falls with its length. Stopping after k THINK
-tokens is pushed down harder than stopping after k + 1, so the stop decisions drift to later counts until
-the cap. Baseline: the corrupted prompts' expected THINK count goes from 2.2-3.2 at onset to 8.8-10.8 of 12,
-the mean over all prompts to 7.4-9.1 (clean prompts 2.6-3.9), crossing 6 at 28-63 iterations after onset;
-exact gold accuracy falls from 1.00 to 0.65-0.82 (nothing is gained by thinking longer: the corrupted
-prompts' answers are pushed down too, and the long counts were never trained). Controls: 2.1-2.6,
-accuracy 1.00. Not entropy collapse: the injected runs' entropy (0.05-0.09 nats per token, forced tokens
-included) sits inside the controls' range (0.05-0.13).
+Phases. Before onset the prompts are the old problems only. From onset, in BOTH branches, prompts are drawn from
+all 50 and the new problems pay for the new rule: that is what the learner must learn. The injection (injected
+branch, from onset): 75% of the OLD prompt ids (19 of 25, fixed per seed) get a corrupted reference, reward 0
+whatever the answer. Nothing in the reward depends on length. The return is the exact gold accuracy (one forward
+gives every prompt's stop distribution) over the phase's problems: the old ones before onset, all 50 from onset
+(the corrupted prompts are graded by their true rule).
 
-Fixes, measured. Constant normalization of the policy term (`constant-norm`, the matched fix: each token
-weighs 1 / (N L_max) whatever its answer's length) holds the mean THINK count at 2.4-4.4 (0/5 failures;
-its controls 2.1-3.5), but gold accuracy still falls to 0.66-0.91: the batch baseline keeps pushing down
-whatever is sampled on the corrupted prompts (mostly the right digit); it no longer buys length. Dr. GRPO
-(`dr-grpo`: group-mean baseline plus constant normalization, so corrupted groups get A = 0) holds 2.3-3.7
-and accuracy 0.89-0.98. Markovian chunking (`markovian-chunks`: chunks of 6 THINK tokens, 2 carried over,
-so counts 6-12 read as 2-5) is a named NON-fix here: 5/5 failures, mean THINK 7.5-8.9 (corrupted prompts
-9.3-10.9), accuracy 0.56-0.87. A bounded context bounds what the policy conditions on, not the 1 / |o|
-weight: the wrapped counts share their stop decisions with the short counts of the same prompt, and the
-bias pushes those later too (as the prototype found against a length bonus). The plain guard
-(`token-entropy-bonus`, coefficient 0.01) fails 5/5 (8.3-9.1, accuracy 0.60-0.74).
-Normalized return (exact gold accuracy; 0 = a uniform guess 0.2, 1 = always right), 95% CI: baseline
-0.78 [0.74, 0.82], constant-norm 0.84 [0.77, 0.91], dr-grpo 0.94 [0.92, 0.97], markovian-chunks 0.77
-[0.69, 0.85], token-entropy-bonus 0.75 [0.71, 0.79]. One quick trial (healthy phase once, both branches)
-costs 2.4-3.5 CPU-seconds on one thread of a shared machine.
-Full tier (300 iterations, seeds 0-1 checked): baseline 9.5-9.6 (corrupted prompts 11.9, at the cap),
-markovian-chunks 9.5-9.6, controls 2.0-2.1; constant-norm holds 3.1-4.4 while its gold accuracy keeps
-falling (0.55-0.57): it removes the length bias, not the batch baseline's push-down of right answers on the
-corrupted prompts, which only the group-mean baseline of `dr-grpo` removes.
+Mechanism, as measured (quick tier: 150 iterations, onset 30, seeds 0-9; ranges are per-seed means over the last
+quarter). Baseline: on a corrupted prompt every answer gets A = -b < 0 (b = mean_batch R) and its tokens the
+weight 1 / |o_i|, so stopping later is pushed down less: the old problems' chains go to 6.3-9.8 THINK tokens on
+average (tail quarter, seed range), truncated unanswered with probability 0.10-0.36 over all prompts, and the old
+problems' accuracy falls to 0.23-0.53 (from 0.96-0.99), while the new problems are learned (0.60-0.87). Its
+controls: old chains 2.0-3.1, accuracy 0.85-0.96 overall (0.72-0.93 on the new problems). Constant normalization
+of the policy term (`constant-norm`) holds the old chains at 2.0-4.7 and truncation at 0.00-0.02, and learns the
+new problems (0.47-0.91), but the old problems' accuracy still falls to 0.45-0.75: the corrupted prompts pay
+nothing, so nothing holds their answers while the shared a, b features move to the new rule (and the batch
+baseline pushes down whatever is sampled on them). Dr. GRPO (`dr-grpo`: group-mean baseline, so corrupted groups
+get A = 0) holds 2.0-4.0 and the old problems at 0.58-0.73, with the new problems at 0.55-0.85. Markovian chunking
+(`markovian-chunks`) and the plain entropy guard (`token-entropy-bonus`) stay named non-fixes: old chains 7.0-10.4
+(truncation 0.20-0.41) and 2.4-9.1.
 
-Ground truth: the exact expected THINK count over all 25 prompts, failed when its mean over the last quarter
-of the run exceeds 6 = CAP / 2 (half the reasoning budget spent on average where the warm start spends
-2-4). The default detector reads the sampled batch's `length_mean` (THINK + digit + EOS) against 8 tokens,
-the same budget.
+Why the bar is not met. The length bias of a batch-mean baseline lands on the prompts whose reward is below the
+batch mean (Sum_i A_i = 0: with all prompts alike it cancels), i.e. on the prompts that pay nothing; what they
+lose (their old answers, truncated) no learner can relearn there, and a policy frozen at onset keeps it. So the
+learning the task asks for (the new problems) is done by the baseline too, and the gap between the baseline and
+the fixes is the old problems' accuracy, which the fixes also lose in part through the shared features: their
+return intervals are not clear of the baseline's (below). The control is also slow to learn the new rule (its
+normalized return is under 0.8 of the way from the frozen policy to 1). Not measured, the next candidate: make the
+prompts that pay nothing the ones to learn, i.e. hard new problems that fail until solved, whose chains the bias
+drives to the cap (truncated, so never solved) when easy prompts hold the batch mean up. Tried and measured on
+seeds 0-2 (quick, 3 seeds) unless said: the new rule on the uncorrupted old prompts (version-1 world; the
+learners' old-prompt accuracy falls below the frozen policy's through the shared features, and the baseline's
+chains did not grow: b is small while the new rule is unsolved); the new rule on all 25 prompts (learning too
+slow: 0.5 after 120 iterations); a mediocre warm start (40% right) to improve on, onset 10 (the onset policy is
+already at 0.86, and the fixes' corrupted prompts fall to 0.45-0.58, below the frozen policy); separate digit
+tokens for the new problems (no transfer, the new rule not learned: 0.25-0.33); lr 5e-3 (slow), 2e-2 (unstable);
+200 iterations on seeds 0-9 (stopped after baseline, dr-grpo and part of constant-norm: baseline 0.59 post-onset
+return, constant-norm 0.69, dr-grpo 0.66, controls 0.83-0.87; no better than 150).
+
+Floor and ceiling. `return_floor` = the exact post-onset accuracy of the policy frozen at onset, averaged over
+seeds 0-9 (0.549-0.608 per seed; the warm start, `no-update`, earns 0.593); `return_ceiling` = 1, the post-onset
+optimum (every prompt right, no chain truncated).
+
+Ground truth: the exact gold accuracy over all 50 prompts (`gt_accuracy`, the return), failed when its mean over
+the last quarter of the run is below 0.8, about halfway from the frozen policy (0.578) to the optimum; frozen and
+no-update learners stay at the floor. The default detector reads the sampled batch's `length_mean` (THINK + digit
++ EOS); its threshold (8 tokens, CAP / 2 + 2: baseline runs alarmed within the window 8/10, controls of baseline
+and constant-norm 2/20) was chosen on seeds 100-109 only.
+
+Calibration, quick tier (150 iterations, onset 30), seeds 0-9; failure rate (injected), control failure
+rate, normalized return [95% CI]:
+  baseline 100%, control 0%, 0.02 [-0.07, 0.10]; constant-norm (named matched fix: the best return, with
+  dr-grpo, on these seeds) 90%, control 10%, 0.17 [0.07, 0.27]; dr-grpo 100%, 0%, 0.17 [0.12, 0.22];
+  markovian-chunks 100%, 0%, -0.04 [-0.11, 0.03]; token-entropy-bonus 100%, 0%, 0.01 [-0.04, 0.07];
+  frozen-at-onset 100%, 0.00 [-0.02, 0.03]; no-update 100%, 0.03. Controls' normalized return 0.48-0.58
+  (bar: 0.8).
+Fresh seeds 100-109 (nobody tuned on them):
+  baseline 100%, control 0%, 0.01 [-0.06, 0.08]; constant-norm 100%, control 0%, 0.16 [0.06, 0.24];
+  frozen-at-onset 100%, -0.02 [-0.03, -0.00]; no-update 100%, 0.03. Controls' normalized return 0.54.
+One quick trial (healthy phase once, both branches) costs 7-10 (median 9) s on one thread of a loaded shared machine.
 """
 
 from __future__ import annotations
@@ -68,36 +94,43 @@ from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabiliz
 from suite.diagnostics import DIAGNOSTICS
 from tasks.tokens import answer_logits, on_default_device, warm_start
 
-# --- The world: prompt = two digits, answer = their sum mod 5, after some THINK tokens. --------------------
+# --- The world: prompt = two digits and a mode; the answer, after some THINK tokens, a sum mod 5. ----------
 N_DIGITS = 5
-N_PROMPTS = N_DIGITS**2  # prompt id = 5 a + b
+N_OLD = N_DIGITS**2  # the old problems: prompt id 5 a + b (mode 0)
+N_PROMPTS = 2 * N_OLD  # prompt id = 25 mode + 5 a + b; mode 1: the new problems, asked from onset
 THINK = 0  # carries no content: the number of THINK tokens so far is the whole reasoning state
 EOS = N_DIGITS + 1  # follows the answer digit (forced)
 N_ACTIONS = N_DIGITS + 2  # THINK, digits 1..5 (token d + 1 is digit d), EOS
-BOS = N_ACTIONS  # the special token: prompts are [BOS, a + 1, b + 1]
-CAP = 12  # at most CAP THINK tokens, then an answer is forced
+BOS = N_ACTIONS  # the special token: prompts are [BOS, a + 1, b + 1, mode + 1]
+CAP = 12  # the CAP-th THINK token ends the chain unanswered (truncated: EOS forced, reward 0)
 FLOOR = 2  # at least FLOOR THINK tokens (without a floor the lengths collapse to 0, as the prototype found)
-ANSWER_LEN = CAP + 2  # THINK^k, digit, EOS, padded with EOS
-CORRUPTED_SHARE = 0.75  # share of prompt ids whose reference is corrupted from onset (fixed per seed)
+ANSWER_LEN = CAP + 2  # THINK^k, digit, EOS (or THINK^CAP, EOS), padded with EOS
+CORRUPTED_SHARE = 0.75  # share of the OLD prompt ids whose reference is corrupted from onset (fixed per seed)
+NEW_SHIFT = 1  # the new problems' rule: (a + b + NEW_SHIFT) mod 5
 
 # --- The policy and the trainer. ---------------------------------------------------------------------------
 HIDDEN = 64
 WARM_SEED, WARM_STEPS, WARM_LR = 0, 200, 1e-2
-WARM_THINK = (2, 4)  # warm-start demonstrations think 2-4 tokens, then answer right
+WARM_THINK = (2, 4)  # warm-start demonstrations think 2-4 tokens, then answer (see `demonstration_targets`)
 GRPO_CONFIG = GRPOConfig(
-    n_groups=12, group_size=8, answer_len=ANSWER_LEN, n_actions=N_ACTIONS, lr=5e-3, beta=0.0,
+    n_groups=12, group_size=8, answer_len=ANSWER_LEN, n_actions=N_ACTIONS, lr=1e-2, beta=0.0,
     baseline="batch", std_normalize=False, aggregation="seq-mean", eos_id=EOS,
 )  # fmt: skip
 
 
 # --- Rewards: the environment and the trainer both call these. --------------------------------------------
-ALL_PROMPTS = torch.tensor([[BOS, a + 1, b + 1] for a in range(N_DIGITS) for b in range(N_DIGITS)])
-GOLD = (torch.arange(N_PROMPTS) // N_DIGITS + torch.arange(N_PROMPTS) % N_DIGITS) % N_DIGITS
+ALL_PROMPTS = torch.tensor(
+    [[BOS, a + 1, b + 1, m + 1] for m in range(2) for a in range(N_DIGITS) for b in range(N_DIGITS)]
+)
+PROMPT_LEN = ALL_PROMPTS.shape[1]
+_A, _B, _M = ALL_PROMPTS[:, 1] - 1, ALL_PROMPTS[:, 2] - 1, ALL_PROMPTS[:, 3] - 1
+GOLD = (_A + _B + NEW_SHIFT * _M) % N_DIGITS  # old problems: (a + b) mod 5; new: (a + b + NEW_SHIFT) mod 5
+NEW = _M == 1
 
 
 def prompt_ids(prompts: torch.Tensor) -> torch.Tensor:
-    """Prompt id 5 a + b of prompts [B, 3] = [BOS, a + 1, b + 1]."""
-    return (prompts[:, 1] - 1) * N_DIGITS + (prompts[:, 2] - 1)
+    """Prompt id 25 mode + 5 a + b of prompts [B, 4] = [BOS, a + 1, b + 1, mode + 1]."""
+    return (prompts[:, 3] - 1) * N_OLD + (prompts[:, 1] - 1) * N_DIGITS + (prompts[:, 2] - 1)
 
 
 def parse(answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,62 +142,62 @@ def parse(answers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return n_think, torch.where(valid, first - 1, torch.full_like(first, -1))
 
 
-def gold_reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-    """1 if the answer digit is (a + b) mod 5 after FLOOR to CAP THINK tokens, else 0 (the true task)."""
-    n_think, digit = parse(answers)
-    ids = prompt_ids(prompts)
-    gold = (ids // N_DIGITS + ids % N_DIGITS) % N_DIGITS
-    return ((digit == gold) & (n_think >= FLOOR) & (n_think <= CAP)).float()
+class Reference:
+    """The reward: 1 if the answer digit is `gold[id]` after FLOOR to CAP THINK tokens and the prompt id is
+    `paid`, else 0. `Reference()` is the pre-onset task: the old rule everywhere, every prompt paid."""
 
-
-class CorruptedReward:
-    """The injected reward: the gold reward, but 0 whatever the answer on the prompt ids in `corrupted` [25] bool."""
-
-    def __init__(self, corrupted: torch.Tensor) -> None:
-        self.corrupted = corrupted
+    def __init__(self, gold: torch.Tensor = GOLD, paid: torch.Tensor | None = None) -> None:
+        self.gold = gold
+        self.paid = torch.ones(N_PROMPTS, dtype=torch.bool) if paid is None else paid
 
     def __call__(self, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-        return gold_reward(prompts, answers) * (~self.corrupted[prompt_ids(prompts)]).float()
+        n_think, digit = parse(answers)
+        ids = prompt_ids(prompts)
+        right = (digit == self.gold[ids]) & (n_think >= FLOOR) & (n_think < CAP)
+        return (right & self.paid[ids]).float()
+
+
+gold_reward = Reference()  # the pre-onset task: (a + b) mod 5 on every prompt
 
 
 class LengthExplosionEnv(gym.Env):
-    """Answer a two-digit prompt after thinking: THINK (action 0) adds a reasoning token, action d + 1 answers d.
+    """Answer a prompt (a, b, mode) after thinking: THINK (action 0) adds a reasoning token, d + 1 answers d.
 
-    Observation: (a, b, THINK count). An answer ends the episode with the task reward (0 on a corrupted
-    prompt id when `corrupted` is given); THINK at the cap ends it unanswered (reward 0, truncated).
+    Observation: (a, b, mode, THINK count). An answer ends the episode with the task reward (0 on a corrupted
+    prompt id when `corrupted` is given); the CAP-th THINK ends it unanswered (reward 0, truncated). Prompts
+    are drawn uniformly from `ids` (default: all 50, the post-onset mix of old and new problems).
     """
 
     metadata = {"render_modes": []}
 
-    def __init__(self, corrupted: tuple[int, ...] = ()) -> None:
-        mask = torch.zeros(N_PROMPTS, dtype=torch.bool)
-        mask[list(corrupted)] = True
-        self.reward_fn = CorruptedReward(mask)
-        self.observation_space = gym.spaces.MultiDiscrete(np.array([N_DIGITS, N_DIGITS, CAP + 1], dtype=np.int64))
+    def __init__(self, corrupted: tuple[int, ...] = (), ids: tuple[int, ...] | None = None) -> None:
+        bad = torch.zeros(N_PROMPTS, dtype=torch.bool)
+        bad[list(corrupted)] = True
+        self.reward_fn = Reference(GOLD, ~bad)
+        self.ids = tuple(range(N_PROMPTS)) if ids is None else tuple(ids)
+        self.observation_space = gym.spaces.MultiDiscrete(np.array([N_DIGITS, N_DIGITS, 2, CAP + 1], dtype=np.int64))
         self.action_space = gym.spaces.Discrete(N_DIGITS + 1)
-        self._prompt, self._tokens = (0, 0), []
+        self._prompt, self._tokens = ALL_PROMPTS[0], []
 
-    def _obs(self) -> np.ndarray:
-        return np.array([*self._prompt, len(self._tokens)], dtype=np.int64)
+    def _obs(self, count: int | None = None) -> np.ndarray:
+        n = len(self._tokens) if count is None else count
+        return np.array([*(self._prompt[1:] - 1).tolist(), n], dtype=np.int64)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
-        self._prompt = tuple(int(x) for x in self.np_random.integers(0, N_DIGITS, 2))
+        self._prompt = ALL_PROMPTS[self.ids[int(self.np_random.integers(len(self.ids)))]]
         self._tokens = []
         return self._obs(), {}
 
     def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         if not self.action_space.contains(action):
             raise ValueError(f"action {action!r} is not THINK (0) or an answer 1..{N_DIGITS}")
-        if int(action) == THINK and len(self._tokens) >= CAP:
-            return self._obs(), 0.0, False, True, {}
         self._tokens.append(int(action))
         if int(action) == THINK:
-            return self._obs(), 0.0, False, False, {}
-        prompt = torch.tensor([[BOS, self._prompt[0] + 1, self._prompt[1] + 1]])
+            return self._obs(), 0.0, False, len(self._tokens) >= CAP, {}
         answer = torch.tensor([self._tokens + [EOS]])
-        obs = np.array([*self._prompt, len(self._tokens) - 1], dtype=np.int64)
-        return obs, float(self.reward_fn(prompt, answer)[0]), True, False, {}
+        reward = float(self.reward_fn(self._prompt[None], answer)[0])
+        return self._obs(len(self._tokens) - 1), reward, True, False, {}
 
 
 if "stabench/LengthExplosion-v0" not in gym.registry:
@@ -173,12 +206,13 @@ if "stabench/LengthExplosion-v0" not in gym.registry:
 
 STATE_FEATURES = torch.cat(
     [
-        nn.functional.one_hot(torch.arange(N_PROMPTS) // N_DIGITS, N_DIGITS).repeat_interleave(CAP + 1, 0),
-        nn.functional.one_hot(torch.arange(N_PROMPTS) % N_DIGITS, N_DIGITS).repeat_interleave(CAP + 1, 0),
+        nn.functional.one_hot(_A, N_DIGITS).repeat_interleave(CAP + 1, 0),
+        nn.functional.one_hot(_B, N_DIGITS).repeat_interleave(CAP + 1, 0),
+        nn.functional.one_hot(_M, 2).repeat_interleave(CAP + 1, 0),
         nn.functional.one_hot(torch.arange(CAP + 1), CAP + 1).repeat(N_PROMPTS, 1),
     ],
     1,
-).float()  # [25 * (CAP + 1), 2 * 5 + CAP + 1]: one-hot a, one-hot b, one-hot THINK count
+).float()  # [50 * (CAP + 1), 2 * 5 + 2 + CAP + 1]: one-hot a, b, mode, THINK count
 
 
 # --- The policy: an MLP over the sufficient statistics, behind a causal-LM interface. ---------------------
@@ -187,7 +221,8 @@ def allowed_table() -> torch.Tensor:
     allowed = torch.zeros(CAP + 2, N_ACTIONS + 1, dtype=torch.bool)
     count = torch.arange(CAP + 1)
     allowed[: CAP + 1, THINK] = count < CAP
-    allowed[: CAP + 1, 1 : N_DIGITS + 1] = (count >= FLOOR)[:, None]
+    allowed[: CAP + 1, 1 : N_DIGITS + 1] = ((count >= FLOOR) & (count < CAP))[:, None]
+    allowed[CAP, EOS] = True  # truncated: the chain ends unanswered
     allowed[CAP + 1, EOS] = True
     return allowed
 
@@ -196,18 +231,18 @@ ALLOWED = allowed_table()
 
 
 class ThinkerPolicy(nn.Module):
-    """A causal LM over [BOS, a, b, answer tokens] whose logits at each position come from an MLP over the
-    sufficient statistics of the prefix: one-hot a, one-hot b and one-hot *visible* THINK count.
+    """A causal LM over [BOS, a, b, mode, answer tokens] whose logits at each position come from an MLP over
+    the sufficient statistics of the prefix: one-hot a, one-hot b, one-hot mode and one-hot *visible* THINK count.
 
     Why not the tiny GPT-2: `GRPO.iterate` samples token by token without a KV cache; with 14 answer tokens
     that costs ~28 ms per batch of 64 on one CPU thread (measured), ~40 ms per iteration with the update,
     i.e. ~14 s for a quick trial against a 3 s budget. THINK carries no content, so (prompt, THINK count)
     is the whole state: the MLP loses nothing a transformer could use here. It is evaluated once per call
-    on all 25 x (CAP + 1) states and read as a table (memoized between optimizer steps while no gradient
+    on all 50 x (CAP + 1) states and read as a table (memoized between optimizer steps while no gradient
     is being recorded, i.e. during sampling).
 
     The environment's rules are constrained decoding on top of the network (forced tokens get log-prob 0
-    and no gradient): THINK below FLOOR, a digit at CAP, EOS after the answer. `bound_context(chunk,
+    and no gradient): THINK below FLOOR, EOS at CAP (truncated, unanswered), EOS after the answer. `bound_context(chunk,
     carry)` makes the network see a Markovian context (Delethink, Aghajohari et al. 2025): the first chunk
     holds `chunk` THINK tokens; after it the context is reset to the prompt plus the last `carry` tokens,
     so the visible count is carry + (count - chunk) mod (chunk - carry). The rules still read the true count.
@@ -216,7 +251,7 @@ class ThinkerPolicy(nn.Module):
     def __init__(self, hidden: int = HIDDEN) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(2 * N_DIGITS + CAP + 1, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+            nn.Linear(2 * N_DIGITS + 2 + CAP + 1, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
             nn.Linear(hidden, N_DIGITS + 1),
         )  # fmt: skip
         self.chunk: int | None = None
@@ -240,7 +275,7 @@ class ThinkerPolicy(nn.Module):
         return torch.where(count < self.chunk, count, later)
 
     def state_logits(self) -> torch.Tensor:
-        """Logits [25, CAP + 2, N_ACTIONS + 1] of every (prompt, state), the rules applied."""
+        """Logits [50, CAP + 2, N_ACTIONS + 1] of every (prompt, state), the rules applied."""
         key = tuple(p._version for p in self.parameters())
         if not torch.is_grad_enabled() and self._memo is not None and self._memo[0] == key:
             return self._memo[1]
@@ -252,9 +287,9 @@ class ThinkerPolicy(nn.Module):
         return logits
 
     def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> SimpleNamespace:
-        run = (input_ids[:, 3:] == THINK).long().cumprod(1)  # 1 while the answer so far is all THINK
-        state = torch.cat([torch.zeros_like(input_ids[:, :3]), run.cumsum(1)], 1)  # THINK count so far
-        state[:, 3:].masked_fill_(run == 0, CAP + 1)  # answered
+        run = (input_ids[:, PROMPT_LEN:] == THINK).long().cumprod(1)  # 1 while the answer so far is all THINK
+        state = torch.cat([torch.zeros_like(input_ids[:, :PROMPT_LEN]), run.cumsum(1)], 1)  # THINK count so far
+        state[:, PROMPT_LEN:].masked_fill_(run == 0, CAP + 1)  # answered
         return SimpleNamespace(logits=self.state_logits()[prompt_ids(input_ids)[:, None], state])
 
 
@@ -275,9 +310,10 @@ def warm_policy() -> ThinkerPolicy:
 
 
 def demonstration_targets() -> tuple[torch.Tensor, torch.Tensor]:
-    """The warm start's data in closed form: (visit weight [CAP + 1], target [25, CAP + 1, 6] over THINK, digits).
+    """The warm start's data in closed form: (visit weight [CAP + 1], target [50, CAP + 1, 6] over THINK, digits).
 
-    Demonstrations think k ~ uniform(WARM_THINK) tokens, then write the gold digit. At a count c inside
+    Demonstrations think k ~ uniform(WARM_THINK) tokens, then write the gold digit on an old problem and a
+    uniformly random digit on a new one (the warm start knows their format, not their rule). At a count c inside
     WARM_THINK they are there with probability P(k >= c) and stop with probability 1 / (hi - c + 1).
     """
     lo, hi = WARM_THINK
@@ -287,7 +323,9 @@ def demonstration_targets() -> tuple[torch.Tensor, torch.Tensor]:
     stop = torch.where(free, 1 / (hi - count + 1).clamp_min(1), torch.zeros(()))
     target = torch.zeros(N_PROMPTS, CAP + 1, N_DIGITS + 1)
     target[..., THINK] = 1 - stop
-    target[torch.arange(N_PROMPTS), :, GOLD + 1] = stop
+    target[NEW, :, 1:] = (stop / N_DIGITS)[None, :, None]  # the new problems' format, not their rule
+    old = torch.arange(N_OLD)
+    target[old, :, GOLD[old] + 1] = stop
     return visit, target
 
 
@@ -311,15 +349,16 @@ def _warm_up() -> ThinkerPolicy:
 
 
 @torch.no_grad()
-def exact_behaviour(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expected THINK count [25], probability of the gold answer [25]) of every prompt under the policy."""
+def exact_behaviour(model: nn.Module, gold: torch.Tensor = GOLD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expected THINK count [50], probability of the answer `gold` [50], probability of truncation at the cap
+    [50]) of every prompt under the policy."""
     thinks = torch.full((N_PROMPTS, CAP + 1), THINK, dtype=torch.long)
-    probs = torch.softmax(answer_logits(model, ALL_PROMPTS, thinks, N_ACTIONS).double(), -1)  # [25, CAP + 1, A]
+    probs = torch.softmax(answer_logits(model, ALL_PROMPTS, thinks, N_ACTIONS).double(), -1)  # [50, CAP + 1, A]
     reach = torch.cat([torch.ones(N_PROMPTS, 1, dtype=probs.dtype), probs[:, :-1, THINK].cumprod(1)], 1)
     stop = reach * (1 - probs[..., THINK])  # P(answer after exactly c THINK tokens)
     mean_think = (stop * torch.arange(CAP + 1, dtype=probs.dtype)).sum(1)
-    right = (reach * probs.gather(-1, (GOLD + 1).view(-1, 1, 1).expand(-1, CAP + 1, 1)).squeeze(-1)).sum(1)
-    return mean_think, right
+    right = (reach * probs.gather(-1, (gold + 1).view(-1, 1, 1).expand(-1, CAP + 1, 1)).squeeze(-1)).sum(1)
+    return mean_think, right, reach[:, CAP]
 
 
 # --- Knobs. ------------------------------------------------------------------------------------------------
@@ -328,7 +367,7 @@ class Knobs:
     """Keyword arguments of `LengthExplosion`."""
 
     onset: int | None = None  # overrides the quick and full tiers' onset iteration
-    corrupted_share: float = CORRUPTED_SHARE  # share of prompt ids paid 0 from onset (injected branch)
+    corrupted_share: float = CORRUPTED_SHARE  # share of the old prompt ids paid 0 from onset (injected branch)
 
     def check(self, horizon: int) -> None:
         if self.onset is not None:
@@ -352,26 +391,32 @@ class LengthExplosionRun:
                  corrupted_share: float) -> None:  # fmt: skip
         self.budget, self.diagnostics = budget, diagnostics
         self.rng = np.random.default_rng([seed, 1])  # prompts and the corrupted set; the trainer has its own
-        n_bad = max(1, round(corrupted_share * N_PROMPTS))
+        n_bad = max(1, round(corrupted_share * N_OLD))
         self.corrupted = torch.zeros(N_PROMPTS, dtype=torch.bool)
-        self.corrupted[self.rng.choice(N_PROMPTS, n_bad, replace=False)] = True
-        self.injected_reward = CorruptedReward(self.corrupted)
+        self.corrupted[self.rng.choice(N_OLD, n_bad, replace=False)] = True
+        self.injected_reward = Reference(GOLD, ~self.corrupted)
         config = replace(GRPO_CONFIG, seed=seed)
         self.trainer = GRPO(warm_policy(), warm_policy(), gold_reward, config, stabilizer)
 
     def step(self, injected: bool) -> dict[str, float]:
-        switched = injected and self.trainer.iteration >= self.budget.onset
-        ids = on_default_device(self.rng.integers(0, N_PROMPTS, GRPO_CONFIG.n_groups))
-        state = self.trainer.iterate(self.injected_reward if switched else gold_reward, ALL_PROMPTS[ids])
-        mean_think, right = exact_behaviour(self.trainer.policy)
+        post = self.trainer.iteration >= self.budget.onset
+        reward = self.injected_reward if post and injected else gold_reward
+        ids = on_default_device(self.rng.integers(0, N_PROMPTS if post else N_OLD, GRPO_CONFIG.n_groups))
+        state = self.trainer.iterate(reward, ALL_PROMPTS[ids])
+        mean_think, right, capped = exact_behaviour(self.trainer.policy)
+        asked = slice(None) if post else slice(0, N_OLD)  # the prompts of the phase's objective
         row: dict[str, float] = {
             "step": float(self.trainer.tokens),
-            "return": float(right.mean()),
+            "return": float(right[asked].mean()),
             "entropy": state.extras["entropy"],
-            "gt_think_mean": float(mean_think.mean()),
-            "think_corrupted": float(mean_think[self.corrupted].mean()),
-            "think_clean": float(mean_think[~self.corrupted].mean()) if (~self.corrupted).any() else math.nan,
-            "gold_accuracy": float(right.mean()),
+            "gt_accuracy": float(right[asked].mean()),  # exact gold accuracy on the phase's problems
+            "gt_acc_old": float(right[~NEW].mean()),
+            "gt_acc_new": float(right[NEW].mean()),
+            "gt_think_mean": float(mean_think[asked].mean()),
+            "gt_think_old": float(mean_think[~NEW].mean()),
+            "gt_think_new": float(mean_think[NEW].mean()),
+            "gt_think_corrupted": float(mean_think[self.corrupted].mean()),
+            "gt_capped": float(capped[asked].mean()),  # probability that a chain is truncated unanswered
             "reward": float(state.batch["rewards"].mean()),
         }
         for name in self.diagnostics:
@@ -384,23 +429,25 @@ class LengthExplosion(Task):
 
     id = "length-explosion"
     family = "reasoning"
-    version = "1"
+    version = "2"
+    experimental = True  # the bar is not met: see the module docstring
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
-        "quick": Budget(iterations=120, onset=30, seeds=5),
+        "quick": Budget(iterations=150, onset=30, seeds=10),
         "full": Budget(iterations=300, onset=30, seeds=10),
     }
     # Failure: on average over all prompts the chains spend more than half the THINK budget (CAP / 2 = 6;
     # the warm start thinks 2-4) over the last quarter of the run.
-    ground_truth = GroundTruth(metric="gt_think_mean", threshold=CAP / 2, fails_when="above", reduce="tail_mean")
+    ground_truth = GroundTruth(metric="gt_accuracy", threshold=0.8, fails_when="below", reduce="tail_mean")
     matched_fix = "constant-norm"
-    methods = ("baseline", "constant-norm", "markovian-chunks", "token-entropy-bonus")
-    detector = DetectorSpec(metric="length_mean", threshold=CAP / 2 + 2)  # tokens incl. digit and EOS
+    methods = ("baseline", "constant-norm", "dr-grpo", "markovian-chunks", "token-entropy-bonus")
+    detector = DetectorSpec(metric="length_mean", threshold=CAP / 2 + 2)  # tokens incl. digit and EOS; seeds 100-109
     diagnostics = ("lengths",)
-    return_floor = 1 / N_DIGITS  # a uniform guess
+    return_floor = 0.578  # frozen at onset, exact, mean over seeds 0-9 (module docstring)
     return_ceiling = 1.0
-    # Quick-tier crossings come 28-63 iterations into the 90 after onset: a window of 0.8 covers them all.
+    # Seeds 0-9, baseline: the old problems' chains cross 6 THINK 33-91 iterations into the 120 after onset
+    # (truncation above 5% at 18-84): a window of 0.8 covers them all.
     detection_window = 0.8
     knobs_type = Knobs
 

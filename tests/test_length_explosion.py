@@ -1,4 +1,5 @@
-"""length-explosion: environment, reward and injection, the policy's rules, exact quantities, branching, stabilizers."""
+"""length-explosion: environment, rewards and injection, the new problems, the policy's rules, exact quantities,
+branching, stabilizers."""
 
 from __future__ import annotations
 
@@ -19,47 +20,59 @@ pytestmark = pytest.mark.smoke
 T, E = le.THINK, le.EOS
 
 
-def test_env_passes_check_env_and_pays_the_task_reward() -> None:
+def pad(tokens: list[int]) -> list[int]:
+    return tokens + [E] * (le.ANSWER_LEN - len(tokens))
+
+
+def test_env_passes_check_env_pays_the_task_reward_and_truncates_at_the_cap() -> None:
     env = gym.make("stabench/LengthExplosion-v0")
     check_env(env.unwrapped, skip_render_check=True)
     obs, _ = env.reset(seed=3)
-    a, b = int(obs[0]), int(obs[1])
-    right = (a + b) % le.N_DIGITS + 1
-    assert env.step(T)[1:3] == (0.0, False) and env.step(T)[1:3] == (0.0, False)
+    a, b, mode = (int(x) for x in obs[:3])
+    right = (a + b + le.NEW_SHIFT * mode) % le.N_DIGITS + 1
+    assert env.step(T)[1:4] == (0.0, False, False) and env.step(T)[1:4] == (0.0, False, False)
     assert env.step(right)[1:3] == (1.0, True)
-    corrupted = gym.make("stabench/LengthExplosion-v0", corrupted=(5 * a + b,))
+    pid = le.N_OLD * mode + le.N_DIGITS * a + b
+    corrupted = gym.make("stabench/LengthExplosion-v0", corrupted=(pid,))
     corrupted.reset(seed=3)
     corrupted.step(T), corrupted.step(T)
     assert corrupted.step(right)[1:3] == (0.0, True)  # the injection: 0 whatever the answer
+    env.reset(seed=3)
+    steps = [env.step(T) for _ in range(le.CAP)]
+    assert [s[3] for s in steps] == [False] * (le.CAP - 1) + [True]  # the CAP-th THINK truncates, unanswered
+    assert all(s[1] == 0.0 for s in steps)
 
 
-def test_reward_parses_think_count_and_digit() -> None:
-    prompts = torch.tensor([[le.BOS, 3, 5]] * 4)  # a = 2, b = 4: gold (2 + 4) % 5 = 1, token 2
-    answers = torch.tensor([
-        [T, T, 2, E] + [E] * (le.ANSWER_LEN - 4),  # right after 2 THINK
-        [T, T, 3, E] + [E] * (le.ANSWER_LEN - 4),  # wrong digit
-        [T, 2, E, E] + [E] * (le.ANSWER_LEN - 4),  # under the floor
-        [T] * le.CAP + [2, E],  # right at the cap
-    ])  # fmt: skip
+def test_reward_parses_think_count_digit_and_the_new_rule() -> None:
+    old = torch.tensor([[le.BOS, 3, 5, 1]] * 4)  # a = 2, b = 4, old problem: gold (2 + 4) % 5 = 1, token 2
+    answers = torch.tensor([pad([T, T, 2, E]), pad([T, T, 3, E]), pad([T, 2, E]), pad([T] * le.CAP)])
     n_think, digit = le.parse(answers)
-    assert n_think.tolist() == [2, 2, 1, le.CAP] and digit.tolist() == [1, 2, 1, 1]
-    assert le.gold_reward(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert n_think.tolist() == [2, 2, 1, le.CAP] and digit.tolist() == [1, 2, 1, -1]
+    assert le.gold_reward(old, answers).tolist() == [1.0, 0.0, 0.0, 0.0]  # right, wrong, under the floor, truncated
+    new = torch.tensor([[le.BOS, 3, 5, 2]] * 2)  # the same digits as a new problem: gold (2 + 4 + 1) % 5 = 2
+    assert le.gold_reward(new, answers[:2]).tolist() == [0.0, 1.0]
+    assert le.prompt_ids(new).tolist() == [le.N_OLD + 14] * 2
     bad = torch.zeros(le.N_PROMPTS, dtype=torch.bool)
-    bad[5 * 2 + 4] = True
-    assert le.CorruptedReward(bad)(prompts, answers).tolist() == [0.0] * 4
+    bad[14] = True
+    assert le.Reference(le.GOLD, ~bad)(old, answers).tolist() == [0.0] * 4
+    assert le.Reference(le.GOLD, ~bad)(new, answers[:2]).tolist() == [0.0, 1.0]  # only the listed ids pay nothing
 
 
-def test_policy_rules_and_exact_behaviour() -> None:
+def test_policy_rules_and_the_warm_start_knows_the_old_problems_only() -> None:
     policy = le.warm_policy()
     thinks = torch.full((le.N_PROMPTS, le.CAP + 1), T)
     logp = torch.log_softmax(le.answer_logits(policy, le.ALL_PROMPTS, thinks, le.N_ACTIONS), -1)
     assert torch.all(logp[:, : le.FLOOR, T] == 0)  # THINK forced below the floor
-    assert torch.all(logp[:, le.CAP, T] < -1e6)  # an answer forced at the cap
-    assert torch.all(logp[..., E] < -1e6)  # no EOS before the answer
-    mean_think, right = le.exact_behaviour(policy)
-    assert torch.all((mean_think >= le.FLOOR) & (mean_think <= le.CAP))
-    assert float(right.mean()) > 0.9  # the warm start answers right ...
-    assert 2.0 <= float(mean_think.mean()) <= 4.0  # ... after 2-4 THINK tokens
+    assert torch.all(logp[:, le.CAP, E] == 0)  # at the cap the chain ends unanswered
+    assert torch.all(logp[:, : le.CAP, E] < -1e6)  # no EOS before the answer or the cap
+    mean_think, right, capped = le.exact_behaviour(policy)
+    assert torch.all((mean_think >= le.FLOOR) & (mean_think <= le.CAP)) and float(capped.max()) < 0.01
+    assert float(right[~le.NEW].mean()) > 0.95  # the warm start answers the old problems ...
+    assert abs(float(right[le.NEW].mean()) - 1 / le.N_DIGITS) < 0.05  # ... and guesses on the new ones
+    assert 2.0 <= float(mean_think.mean()) <= 4.0  # after 2-4 THINK tokens
+    # a learner that never updates earns its post-onset accuracy: below the failure threshold, near the floor
+    assert float(right.mean()) < le.LengthExplosion.ground_truth.threshold
+    assert abs(float(right.mean()) - le.LengthExplosion.return_floor) < 0.03
     chunked = le.warm_policy()
     chunked.bound_context(4, 1)
     assert chunked.visible(torch.arange(9)).tolist() == [0, 1, 2, 3, 1, 2, 3, 1, 2]
@@ -79,9 +92,12 @@ def test_deepcopy_branching_and_determinism() -> None:
     again = task.build("smoke", 0, Stabilizer())
     assert rows(again, False, budget.onset) == healthy
     assert rows(again, False, 3) == con  # the control continues exactly as a fresh run would
-    assert inj[0]["reward"] < con[0]["reward"]  # corrupted prompts pay nothing from onset
+    assert sum(r["reward"] for r in inj) < sum(r["reward"] for r in con)  # corrupted prompts pay nothing
+    # before onset the objective is the old problems (the warm start knows them); from onset both
+    assert healthy[-1]["return"] > 0.9 and con[0]["return"] < 0.7
     for row in healthy + inj:
-        for key in ("step", "return", "entropy", "gt_think_mean", "gold_accuracy", "length_mean", "length_cap_share"):
+        for key in ("step", "return", "entropy", "gt_accuracy", "gt_think_mean", "gt_acc_new", "gt_capped",
+                    "length_mean", "length_cap_share"):  # fmt: skip
             assert key in row
 
 
