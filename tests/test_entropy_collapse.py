@@ -1,4 +1,5 @@
-"""entropy-collapse: environment, rewards, exact held-out evaluation, branching, knobs, the clip-higher file."""
+"""entropy-collapse: environment, rewards (the new rule, the vote), exact held-out evaluation, the ground truth
+against a learner that never updates, branching, knobs, the clip-higher file."""
 
 from __future__ import annotations
 
@@ -27,12 +28,29 @@ def _group(*answers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor([[ec.BOS, 5, 5]]).expand(len(a), -1), a
 
 
-def test_correct_avoids_both_prompt_digits() -> None:
-    prompts = torch.tensor([[ec.BOS, 1, 4]] * 4)
-    answers = torch.tensor([[0, 2, 3], [0, 1, 3], [4, 2, 3], [5, 5, 5]])
-    assert ec.correct(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0]
+def test_correct_avoids_both_prompt_digits_and_the_new_rule_also_bans_five() -> None:
+    prompts = torch.tensor([[ec.BOS, 1, 4]] * 5)
+    answers = torch.tensor([[0, 2, 3], [0, 1, 3], [4, 2, 3], [5, 5, 5], [0, 5, 2]])
+    assert ec.correct(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert ec.correct_new(prompts, answers).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # no held-out prompt holds a 5, so the new rule leaves 3 (a != b) or 4 (a = b) digits per position
     n_good = ec.HELDOUT_CORRECT.sum(-1).tolist()
-    assert n_good == [125.0 if a == b else 64.0 for a, b in ec.HELDOUT_PAIRS]
+    pairs = ec.HELDOUT_PROMPTS[:, 1:].tolist()
+    assert sorted(map(tuple, pairs)) == sorted(ec.HELDOUT_PAIRS)
+    assert n_good == [64.0 if a == b else 27.0 for a, b in pairs]
+    assert ec.HELDOUT_OLD.sum(-1).tolist() == [125.0 if a == b else 64.0 for a, b in pairs]
+
+
+def test_gold_and_vote_pays_the_verifier_on_the_first_groups_and_the_vote_on_the_rest() -> None:
+    g = ec.GROUP_SIZE
+    wrong_mode = [[5, 5, 5]] * 5 + [[0, 2, 3], [2, 0, 3], [3, 2, 0]]  # the mode is wrong under the new rule
+    answers = torch.tensor(wrong_mode * ec.GRPO_CONFIG.n_groups)
+    prompts = torch.tensor([[ec.BOS, 1, 4]]).expand(len(answers), -1)
+    paid = ec.gold_and_vote(prompts, answers).view(-1, g)
+    gold = [0.0] * 5 + [1.0] * 3
+    vote = [1.0] * 5 + [0.0] * 3
+    assert paid.tolist() == [gold] * ec.N_GOLD_GROUPS + [vote] * (ec.GRPO_CONFIG.n_groups - ec.N_GOLD_GROUPS)
+    assert 0 < ec.N_GOLD_GROUPS < ec.GRPO_CONFIG.n_groups
 
 
 def test_majority_vote_rewards_the_group_mode_only() -> None:
@@ -47,25 +65,26 @@ def test_majority_vote_rewards_the_group_mode_only() -> None:
     assert ec.majority_vote(prompts, two_groups).tolist() == [1, 1, 1, 0, 0, 0, 0, 0] + [0] * 8
 
 
-@pytest.mark.parametrize("injected", [False, True])
-def test_env_passes_check_env_and_pays_the_trainers_rewards(injected: bool) -> None:
-    env = gym.make("stabench/EntropyCollapse-v0", injected=injected)
+@pytest.mark.parametrize(("injected", "after_onset"), [(False, False), (False, True), (True, True)])
+def test_env_passes_check_env_and_pays_the_trainers_rewards(injected: bool, after_onset: bool) -> None:
+    env = gym.make("stabench/EntropyCollapse-v0", injected=injected, after_onset=after_onset)
     check_env(env.unwrapped, skip_render_check=True)
     obs, _ = env.reset(seed=3)
     prompt = torch.tensor([[ec.BOS, *obs[:2].tolist()]])
-    group = [X, X, X, Y, Y, [0, 0, 0], [1, 1, 1], [2, 2, 2]]
+    group = [X, X, X, Y, Y, [0, 0, 0], [1, 1, 1], [5, 5, 5]]
     rewards = [env.step(t)[1] for answer in group for t in answer]
     answers = torch.tensor(group)
     if injected:
         assert rewards[:-1] == [0.0] * 23
         assert rewards[-1] == float(ec.majority_vote(prompt.expand(8, -1), answers).sum()) == 3.0
     else:
+        rule = ec.correct_new if after_onset else ec.correct
         paid = [rewards[i] for i in range(2, 24, 3)]
-        assert paid == ec.correct(prompt.expand(8, -1), answers).tolist()
+        assert paid == rule(prompt.expand(8, -1), answers).tolist()
         assert sum(rewards) == sum(paid)
 
 
-def test_heldout_evaluation_is_exact_and_bounds_are_the_constants() -> None:
+def test_heldout_evaluation_is_exact_and_the_optimum_is_uniform_over_the_correct_answers() -> None:
     torch.manual_seed(0)
     model = ec.tiny_policy(ec.N_ACTIONS, ec.PROMPT_LEN + ec.ANSWER_LEN)
     logp = ec.heldout_logp(model)
@@ -77,13 +96,28 @@ def test_heldout_evaluation_is_exact_and_bounds_are_the_constants() -> None:
     assert float(logp[2, 77]) == pytest.approx(float(lp[0].gather(-1, a[:, None]).sum()), abs=1e-6)
     # a policy that always writes one correct answer covers 1 / 8; one that always writes a wrong one covers 0
     one = torch.full_like(logp, -math.inf)
-    one[:, 215] = 0.0  # answer 5 5 5: correct unless the prompt holds a 5
-    expected = [0.0 if 5 in pair else 1 / 8 for pair in ec.HELDOUT_PAIRS]
+    one[:, 215] = 0.0  # answer 5 5 5: wrong under the new rule on every held-out prompt
+    assert ec.coverage(one).tolist() == [0.0] * len(ec.HELDOUT_PAIRS)
+    one[:, 215], one[:, 0] = -math.inf, 0.0  # answer 0 0 0: correct unless the prompt holds a 0
+    expected = [0.0 if 0 in pair else 1 / 8 for pair in ec.HELDOUT_PROMPTS[:, 1:].tolist()]
     assert ec.coverage(one).tolist() == pytest.approx(expected)
-    floor, ceiling = ec.coverage_bounds()
+    # the exact optimum (uniform over the correct answers) beats a random perturbation of it
+    uniform = (ec.HELDOUT_CORRECT / ec.HELDOUT_CORRECT.sum(-1, keepdim=True)).log()
+    optimum = ec.coverage_optimum()
+    assert float(ec.coverage(uniform).mean()) == pytest.approx(optimum)
+    tilted = uniform.exp() * (1 + 0.5 * torch.rand(uniform.shape, dtype=torch.float64)) * ec.HELDOUT_CORRECT
+    assert float(ec.coverage((tilted / tilted.sum(-1, keepdim=True)).log()).mean()) < optimum
+
+
+def test_floor_and_ceiling_order_and_the_warm_start_fails_the_ground_truth() -> None:
     task = ec.EntropyCollapse()
-    assert (task.return_floor, task.return_ceiling) == pytest.approx((floor, ceiling), abs=1e-9)
-    assert 0.125 < ceiling < 1.0
+    assert task.return_floor < task.return_ceiling < ec.coverage_optimum()
+    stats = ec.heldout_stats(ec.warm_policy())
+    # a learner that never updates keeps the warm start: it must fail the ground truth and score near the floor
+    assert stats["gt_expected_distinct"] < task.ground_truth.threshold
+    assert stats["gt_expected_distinct"] == pytest.approx(8 * stats["return"])
+    assert abs(task.normalized_return(stats["return"])) < 0.25
+    assert stats["heldout_accuracy"] < 0.5 < stats["old_rule_accuracy"]
 
 
 def test_branching_is_paired_and_deterministic() -> None:
@@ -105,6 +139,9 @@ def test_branching_is_paired_and_deterministic() -> None:
         assert required <= set(row)
         assert all(math.isfinite(row[k]) for k in required)
     assert injected[: budget.onset] == control[: budget.onset]
+    # before onset the old rule pays (at least what the new one would); after it the control is paid the new rule
+    assert all(row["reward"] >= row["train_accuracy"] for row in control[: budget.onset])
+    assert all(row["reward"] == row["train_accuracy"] for row in control[budget.onset :])
     assert injected[-1] != control[-1]
     assert injected[-1]["step"] == budget.iterations * 8 * 8 * 3
     assert rows(0)[0] == injected
