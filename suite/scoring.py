@@ -269,6 +269,8 @@ def visible_failure_at(injected: pd.DataFrame, control: pd.DataFrame | None, tas
 def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (task, detector, method, seed, variant): the run's class and the credit it earns.
 
+    Runs of the reference stabilizers (`no-update`, `frozen-at-onset`) are left out: they fail for want of
+    learning, in both branches, which is not the failure a detector is asked to foresee.
     `kind` is `positive` (an injected run that failed), `control` (a control run that stayed healthy),
     `healthy-injected` (an injected run that stayed healthy) or `excluded` (a control run that failed:
     neither a target nor a false alarm). `first_alarm` is the first iteration >= onset with the alarm
@@ -278,6 +280,8 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     """
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
+    if "role" in table:  # learners that do not learn fail in both branches for want of learning: not the failure
+        table = table[table["role"] != "reference"]
     table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     scored = [c.split("/", 1)[1] for c in alarm_columns]

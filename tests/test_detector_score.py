@@ -221,3 +221,14 @@ def test_leaderboard_rows_of_a_replayed_detector_equal_those_of_a_recorded_one(p
     with pytest.raises(StabenchError, match="is not in this run"):
         leaderboard.compute_rows(table, manifest, [], ["no-such-detector"])
     assert math.isfinite(float(recorded["aggregate"])) or recorded["aggregate"] == "nan"
+
+
+def test_runs_of_the_reference_stabilizers_are_not_scored():
+    """A learner that does not learn fails in both branches: neither a target nor a false alarm."""
+    base = make_table(grid(seeds=4), {"oracle-like": lambda r, it: (it == ONSET) & positive(r)})
+    refs = [{"method": "frozen-at-onset", "seed": s, "variant": v, "fails": True}
+            for s in range(4) for v in ("injected", "control")]
+    extra = make_table(refs, {"oracle-like": lambda r, it: np.zeros(N, bool)}).assign(role="reference")
+    with_refs = pd.concat([base, extra], ignore_index=True)
+    assert scores(with_refs)["oracle-like"]["score"] == pytest.approx(scores(base)["oracle-like"]["score"])
+    assert "frozen-at-onset" not in set(scoring.detector_runs(with_refs)["method"])
