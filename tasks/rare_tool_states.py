@@ -1,12 +1,12 @@
-"""rare-tool-states: a tool's rare reply format becomes common, and PPO against the sampler's log-probs stalls there.
+"""rare-tool-states: a tool's rare reply format becomes common, and PPO against a mismatched sampler's log-probs
+cannot learn it (EXPERIMENTAL in version 2: it misses the bar, numbers below).
 
 The world (a gymnasium env, `stabench/RareToolStates-v0`, tokens in, tokens out). A query digit x (6 values);
 the policy writes a call argument (right: x); the tool writes its reply into the sequence: a format flag
 and the 3 digits res[x] of a fixed table; the policy reads the reply as tokens and writes a 3-digit answer,
 paid the share of digits equal to res[x]. In the rare format (flag ALT) the tool writes every digit shifted
-by one (mod 6), so copying the reply scores 0 and the policy must decode it. Rare replies come with
-probability 0.02 before onset (and in the control throughout), 0.6 after onset in the injected branch.
-Tokens the policy writes after a rare reply are the tool-state tokens.
+by one (mod 6), so copying the reply scores 0 and the policy must decode it. Tokens the policy writes after
+a rare reply are the tool-state tokens.
 
 Policy and trainer. A 2 x 64 tanh MLP over the one-hot context (the slots written so far) emits the digits;
 it starts from a supervised warm-up that knows the usual format and, having seen rare replies only with
@@ -14,49 +14,87 @@ random targets, is near-uniform in the tool state (exact rare-format return 0.19
 `baselines/tool_ppo.py`: 12 queries x 8 episodes per iteration, group-normalized outcome advantages, 4
 epochs over each rollout (reuse), Adam 3e-3, clip 0.2, no KL or entropy term. The sampler logs its own
 log-probs, and the baseline forms the PPO ratio against them, as an asynchronous pipeline that reuses the
-engine's log-probs does. The trigger exists only in tool states: there the sampler draws at temperature 2
-(a sampling/training mismatch confined to tool turns; on text tokens the sampler is the policy), in every
-branch and from the start; before onset it touches ~1.5% of tokens, after onset ~45%.
+engine's log-probs does.
+
+What must be learned after onset (version 2, issue 12 "not learning must not win"). At onset (iteration 20
+of 80 at quick) the rare format goes from 2% of the replies to 60% in BOTH branches: the new problem is to
+decode the shifted reply. The policy at onset scores 0.12-0.25 on the rare format (seeds 0-9), so its
+post-onset return is 0.47-0.55; the optimum is 1. The injection (injected branch only, from onset): the
+sampler draws tool-state tokens at temperature 2 (a sampling/training mismatch confined to tool turns; on
+text tokens the sampler is the policy); before onset and in the control the sampler is the policy. Version 1
+had the mismatch in every branch from the start and the shift in the injected branch only, so its control
+had nothing left to learn after onset (0.98 at onset and at the end); version 2 moves the shift into both
+branches and makes the mismatch the injection (the stall it causes is the same mechanism as before).
 
 Ground truth: the exact expected reward of the trained policy (temperature 1), by enumeration over the
 call and every answer prefix, under the branch's current rare share; failure = its mean over the last 25%
 of the run below 0.8. With 60% rare replies a policy that never learns the rare format scores at most
 0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the rare-format digits
-right: it has learned the state that became common. Floor 1/6 (random digits), ceiling 1.
+right; the policy frozen at onset scores 0.47-0.55 and fails on every seed.
 
-Mechanism, as the calibration measured it (quick tier, seeds 0-4, onset 20 of 80). At onset every method's
-return drops to 0.44-0.62 (the rare format is suddenly common and nobody knows it). The baseline then stalls:
-its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens the policy
+Normalized return (version 2): `return_floor` = 0.503 is the exact post-onset return of the policy FROZEN AT
+ONSET (the `frozen-at-onset` reference; exact by enumeration per seed, averaged over calibration seeds 0-9:
+0.51 0.48 0.52 0.47 0.50 0.54 0.50 0.49 0.47 0.55), measured once and fixed. `return_ceiling` = 0.770 is
+what the control reaches: the baseline's control's post-onset mean return averaged over seeds 0-9 (0.68-0.86
+per seed), measured once and fixed; the exact optimum 1 is out of reach of 60 updates (with ceiling 1 the
+control would normalize to 0.54). Version 1 anchored on 1/6 and 1.
+
+Calibration, version 2 (quick tier: 80 iterations, onset 20; seeds 0-9; tail mean = iterations 60-79):
+| method | failed (injected) | control failed | normalized return [95% CI] | injected tail return, seeds 0-9 |
+|---|---|---|---|---|
+| baseline | 10/10 | 2/10 | 0.212 [0.183, 0.241] | 0.60 0.58 0.59 0.60 0.59 0.58 0.56 0.58 0.56 0.59 |
+| turn-is | 6/10 | 3/10 | 0.718 [0.463, 0.967] | 0.90 0.75 0.92 0.86 0.59 0.63 0.53 0.77 0.74 0.83 |
+| token-tis | 1/10 | 1/10 | 1.012 [0.878, 1.134] | 0.86 0.99 0.92 0.93 0.82 0.74 0.86 0.86 0.89 0.89 |
+| tool-dual-clip | 10/10 | 2/10 | 0.212 [0.183, 0.241] | as the baseline at two decimals |
+| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.058, 0.062] | 0.47-0.55 (the onset policy) |
+| no-update | 10/10 | 10/10 | 0.033 [0.033, 0.033] | 0.51 (the warm start) |
+The baseline's control tails: 0.96 0.85 0.90 0.92 0.88 0.76 0.91 0.76 0.83 0.91 (control normalized 1.00 by
+construction of the ceiling).
+Fresh seeds 100-109 (nobody tuned on them):
+| method | failed (injected) | control failed | normalized return [95% CI] |
+|---|---|---|---|
+| baseline | 10/10 | 2/10 | 0.243 [0.217, 0.264] |
+| turn-is | 3/10 | 2/10 | 0.926 [0.743, 1.127] |
+| frozen-at-onset | 10/10 | 10/10 | 0.003 [-0.137, 0.144] |
+| no-update | 10/10 | 10/10 | 0.033 [0.033, 0.033] |
+Tails on seeds 100-109: baseline 0.57-0.61; its control 0.89 0.96 0.83 0.83 0.96 0.71 0.80 0.96 0.88 0.89 (fails
+on 2); turn-is 0.80 0.97 0.79 0.83 0.96 0.81 0.88 0.87 0.68 0.81. So the misses repeat on fresh seeds: the
+control fails 2/10 and the matched fix 3/10.
+
+Why EXPERIMENTAL: the bar asks the control to fail <= 10% and the matched fix <= 20%. The control fails 2/10
+(tails 0.76 on seeds 5 and 7: it is still learning the rare format at iteration 80, rare-format return 0.59-0.61
+there, 0.72-0.94 elsewhere) and turn-is fails 6/10 (tails 0.53-0.77 on seeds 1, 4, 5, 6, 7, 8; its own control
+3/10): in the tail its entropy is 0.01-0.18, it settles on a deterministic partial decoding (rare-format return
+0.22-0.61 on the failing seeds), which is what v1 saw on its one failing seed. The token-level ablation token-tis
+fails 1/10 (seed 5, 0.74) and is as good as the control (normalized 1.0), so turn-level granularity buys nothing
+here and hurts. Tried: only the version-2 design above, at 80 iterations. Not tried (no time in this session): a
+longer post-onset phase (120 iterations at quick), which the control's still-rising tail suggests, and token-tis
+as the matched fix.
+
+Mechanism, as measured (version 2, seeds 0-9). At onset every branch drops to 0.47-0.55. The baseline then
+stalls: its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens the policy
 already prefers (pi_old > q under a flatter sampler) r > 1.2 from the first epoch and every positive-
 advantage update is clipped to zero, while on tokens it disprefers negative-advantage updates are clipped
-(r < 0.8): the policy cannot become confident in the tool state. Tail return 0.57-0.61 (control
-0.979-0.983), rare-format return 0.28-0.35; its token entropy stays HIGH (0.75-0.78, control 0.02-0.03):
-this is not an entropy collapse, the policy is held near the sampler's flattened distribution; clip
-fraction 0.18-0.23 (control 0.01). The same algorithm is healthy in the control, because the mismatch
-only touches the rare tool states there.
+(r < 0.8): the policy cannot become confident in the tool state. Tail return 0.56-0.60 (rare-format return
+0.27-0.34), control 0.76-0.96; its token entropy stays HIGH (0.74-0.77 in the tail, control 0.03-0.13): not an
+entropy collapse, the policy is held near the sampler's flattened distribution; median post-onset clip
+fraction 0.17-0.23 (control 0.01-0.03). `tool-dual-clip` (the plain guard, c = 3) equals the baseline to two
+decimals on every seed: ratios on negative advantages never reach 3 (tool-state ratio p99 1.5-1.7). The
+failure is not a ratio blow-up; correcting the sampler's log-probs (turn-is, token-tis) is what helps.
 
-Fixes, measured (failure rate injected / control, tail return):
-- `turn-is` (matched fix, SORL-style: the ratio against the recomputed pi_old, a detached turn-level
-  truncated weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization): 1/5 / 0/5,
-  0.63-0.90 (rare-format return 0.39-0.83; the failing seed collapsed to a deterministic partial answer).
-- `token-tis` (the token-level ablation: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token):
-  1/5 / 0/5, 0.74-0.96 (rare-format return 0.56-0.94). Turn-level granularity buys nothing here.
-- Variants of turn-is measured worse: SORL's geometric mean over the turn as the weight, 5/5 failed
-  (0.40-0.73, entropy 0.001-0.002): it under-corrects the individual tokens of a turn whose mismatches
-  differ, and before onset, on the few rare episodes (all with strongly negative group advantages), the
-  policy collapses to a deterministic answer in the tool state (control rare-format return 0.0-0.39) and,
-  with zero-variance groups, never recovers; with the trust-region ratio at the turn level as well
-  (SORL's Turn-PPO ratio) seeds 3, 4 gave 0.53, 0.40.
-- `tool-dual-clip` (the plain guard, c = 3): identical to the baseline to the last digit: ratios on
-  negative advantages never reach 3 (tool-state p99 1.5-1.6, max 2.3). The failure is not a ratio blow-up,
-  and capping large ratios does not touch it; correcting the sampler's log-probs does.
+Fixes: `turn-is` (matched fix, SORL-style: the ratio against the recomputed pi_old, a detached turn-level
+truncated weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization); `token-tis` (the
+token-level ablation: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token). Version 1 also
+measured SORL's geometric-mean turn weight (5/5 failed) and the Turn-PPO turn-level ratio (2/5 failed).
 
-Diagnostics, measured. Tool-state ratio p99 is 1.2-1.6 in EVERY branch and phase (the mismatch is always
-there), text-state p99 is 1.00: the split locates the off-policy tokens, but does not say "failing". The
-aggregate p99 rises from 1.00 to 1.55 at onset only because tool tokens become common, in the fixed runs
-too (token-tis 1.46); the aggregate ESS stays 0.93-0.97 ("averages look calm"). The clip fraction (0.01
-before onset and in the control, 0.15-0.23 after onset in baseline and fixed runs) is the default
-detector: it flags the shift of the batch into mismatched states at onset, not which method will recover.
+Diagnostics. Tool-state ratio p99 is 1.5-1.7 in the injected branch after onset and 1.2-1.4 in the control (4
+epochs of reuse alone), text-state p99 1.00. The clip fraction is the default detector: at most 0.10 before onset
+(seeds 0-9), the baseline's control up to 0.33 after onset (it learns the rare format with 4 epochs of reuse),
+the injected baseline 0.20-0.47 at its first post-onset iteration. The threshold 0.27 was chosen ONLY on seeds
+100-109 (baseline runs): the injected branch crosses it at onset or one iteration later on 10/10 seeds, the
+control on 1/10 (its maximum per seed 0.09-0.33); 0.2 would alarm on 5 controls, 0.25 on 2. It flags the shift of
+the batch into mismatched states at onset, not which method will recover (the fixed runs' median clip fraction
+after onset is 0.04-0.38 on seeds 0-9).
 """
 
 from __future__ import annotations
@@ -93,7 +131,7 @@ RARE_AFTER = 0.6  # ... after onset in the injected branch
 HIDDEN = 64
 WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, WARMUP_ALT = 300, 128, 1e-2, 0.1
 TOOL_TEMPERATURE = 2.0
-CONFIG = ToolPPOConfig(n_groups=12, group_size=8, lr=3e-3, epochs=4, minibatches=1, tool_temperature=TOOL_TEMPERATURE)
+CONFIG = ToolPPOConfig(n_groups=12, group_size=8, lr=3e-3, epochs=4, minibatches=1)
 
 
 def result_table() -> torch.Tensor:
@@ -322,12 +360,15 @@ class RareToolStatesRun:
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
                  knobs: Knobs) -> None:
         self.budget, self.diagnostics, self.knobs = budget, diagnostics, knobs
-        config = replace(CONFIG, seed=seed, tool_temperature=float(knobs.tool_temperature))
+        config = replace(CONFIG, seed=seed, tool_temperature=1.0)  # an exact sampler until the injection
         self.trainer = ToolPPO(warm_policy(), ToolWorld(), config, stabilizer)
 
     def step(self, injected: bool) -> dict[str, float]:
-        switched = injected and self.trainer.iteration >= self.budget.onset
-        rare_prob = float(self.knobs.rare_after) if switched else RARE_BEFORE
+        shifted = self.trainer.iteration >= self.budget.onset  # both branches: the rare format becomes common
+        rare_prob = float(self.knobs.rare_after) if shifted else RARE_BEFORE
+        temperature = float(self.knobs.tool_temperature) if injected and shifted else 1.0  # the injection
+        if self.trainer.config.tool_temperature != temperature:
+            self.trainer.config = replace(self.trainer.config, tool_temperature=temperature)
         state = self.trainer.iterate(rare_prob)
         usual, rare = exact_returns(self.trainer.policy)
         tool = state.extras["tool_mask"]
@@ -352,7 +393,7 @@ class RareToolStates(Task):
 
     id = "rare-tool-states"
     family = "tools"
-    version = "1"
+    version = "2"
     trainer = "tool-ppo"
     budgets = {
         "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
@@ -362,13 +403,16 @@ class RareToolStates(Task):
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)
     matched_fix = "turn-is"
     methods = ("baseline", "turn-is", "token-tis", "tool-dual-clip")
-    # Clip fraction: at most 0.08 before onset and in every control, 0.18-0.20 (median) after onset.
-    detector = DetectorSpec(metric="clip_frac", threshold=0.12)
+    # Clip fraction: at most 0.08 before onset; the control up to 0.33, the injected baseline 0.20-0.47 at onset.
+    detector = DetectorSpec(metric="clip_frac", threshold=0.27)  # chosen on seeds 100-109 only (docstring)
     diagnostics = ("ratio_tails",)
-    return_floor = 1.0 / N_DIGITS  # uniformly random answers
-    return_ceiling = 1.0  # every answer right, in both formats
+    # Floor: the policy frozen at onset, its exact post-onset return averaged over calibration seeds 0-9;
+    # ceiling: the control's post-onset mean return on the same seeds (the exact optimum, 1, is out of reach
+    # of 60 updates). Both measured once and fixed (see the docstring).
+    return_floor = 0.503
+    return_ceiling = 0.770
     knobs_type = Knobs
-    experimental = False
+    experimental = True  # misses the bar: control fails 2/10, turn-is 6/10 (see the docstring)
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RareToolStatesRun:
         return RareToolStatesRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)

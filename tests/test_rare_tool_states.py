@@ -77,7 +77,11 @@ def test_branching_and_determinism() -> None:
     injected, control = copy.deepcopy(run), copy.deepcopy(run)
     rows_i = [injected.step(True) for _ in range(2)]
     rows_c = [control.step(False) for _ in range(2)]
-    assert rows_i[0]["rare_share"] == task_module.RARE_AFTER and rows_c[0]["rare_share"] == task_module.RARE_BEFORE
+    # version 2: the rare format becomes common in BOTH branches; only the injected sampler is mismatched
+    assert healthy[0]["rare_share"] == task_module.RARE_BEFORE
+    assert rows_i[0]["rare_share"] == rows_c[0]["rare_share"] == task_module.RARE_AFTER
+    assert injected.trainer.config.tool_temperature == task_module.TOOL_TEMPERATURE
+    assert control.trainer.config.tool_temperature == 1.0 == run.trainer.config.tool_temperature
     assert not same_rows(rows_i[0], rows_c[0])
     again = task.build("smoke", 0, Stabilizer())
     assert all(same_rows(a, again.step(True)) for a in healthy)
@@ -155,3 +159,19 @@ def test_onset_knob_moves_the_switch() -> None:
     run = task.build("quick", 0, Stabilizer())
     shares = [run.step(True)["rare_share"] for _ in range(5)]
     assert shares == [task_module.RARE_BEFORE] * 3 + [task_module.RARE_AFTER] * 2
+
+
+def test_exact_sampler_outside_the_injection_and_a_non_learner_fails() -> None:
+    """Before onset and in the control the sampler is the policy (behaviour log-probs = the policy's); after
+    onset the warm policy, which does not know the rare format, scores below the ground truth's threshold."""
+    task = RareToolStates()
+    run = task.build("smoke", 0, Stabilizer())
+    batch = run.trainer.rollout(rare_prob=1.0)
+    with torch.no_grad():
+        logp = torch.log_softmax(run.trainer.policy(batch["inputs"]).double(), -1)
+    own = logp.gather(-1, batch["actions"][..., None]).squeeze(-1).float()
+    assert batch["tool_mask"].any() and torch.allclose(own, batch["behaviour_logp"], atol=1e-5)
+    usual, rare = exact_returns(warm_policy())
+    frozen = (1 - task_module.RARE_AFTER) * usual + task_module.RARE_AFTER * rare
+    assert frozen < task.ground_truth.threshold
+    assert task.return_floor < task.ground_truth.threshold
