@@ -30,6 +30,9 @@ Normalized return (version 2): `return_floor` = 0.0031 is what the policy FROZEN
 averaged over seeds 0-9 (0.49-0.54 per seed; it climbs from ~0 to 0.84 over the 33 post-onset iterations),
 measured once and fixed; with the exact optimum 1 as ceiling the control would normalize to 0.51. Version 1
 anchored on 0 and 1. The training code is unchanged from version 1 (same rows).
+Seeds each setting was chosen on: the world, trainer, onset, budgets and the 0.5 threshold are version 1's,
+chosen on seeds 0-4; version 2 chose the floor and ceiling on seeds 0-9 and checked the detector threshold on
+seeds 100-109.
 
 Calibration, version 2 (quick tier: 40 iterations, onset 7; tail = iterations 30-39; failed = tail below 0.5):
 | method | failed (injected) | control failed | normalized return [95% CI] | injected tail, seeds 0-9 |

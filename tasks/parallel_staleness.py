@@ -28,6 +28,19 @@ Setting (everything the task fixes lives in `Knobs`; the defaults are calibrated
   recipe's criterion was "below 50% of the same seed's control"; GroundTruth takes an absolute threshold, and
   the control reaches the optimum 0.79 on 9 of 10 seeds (0.69 on seed 9), so 0.4 is half the optimum, i.e.
   half the control's level. Matched fix: V-trace. Named non-fix: dual clip (c = 3). Also: decoupled PPO.
+- What must be learned after onset (issue 12, "not learning must not win"): at onset (update 10) the learner
+  is far from the room's optimum, so the post-onset phase is the bulk of the learning in BOTH branches: the
+  control climbs from 0.09-0.24 to 0.79. A learner that stops learning fails: `frozen-at-onset` keeps its
+  onset return (tail 0.09-0.24 < 0.4, 10/10 failed in both branches), `no-update` the initial policy's 0.036.
+- Normalized return (version 2): `return_floor` = 0.182 is what the policy FROZEN AT ONSET earns, the exact
+  (DP) return of each seed's onset policy averaged over the calibration seeds 0-9 (0.18 0.21 0.16 0.20 0.22
+  0.09 0.14 0.24 0.20 0.19; measured once, fixed); `return_ceiling` = 0.79 is the room's optimum, exact. So 0
+  = stops learning at onset, 1 = optimal from the first post-onset update; the control's post-onset mean
+  normalizes to 0.81 on seeds 0-9 (it needs 8-16 updates to reach 0.7). Version 1 anchored on 0 and 0.79. The
+  training code is unchanged from version 1 (same rows; the staleness grid is unaffected).
+- Seeds each setting was chosen on: the knobs, budgets and the 0.4 threshold are version 1's, chosen on seeds 0-9
+  (lag and horizon checks on seeds 0-2); version 2 chose the floor on seeds 0-9 and the detector threshold on seeds
+  100-109.
 
 Mechanism, as measured (quick tier, seeds 0-9):
 - Not a ratio blow-up: post-onset ratios (vs the stored log-probs) have p99 1.23-1.28 and max 2.05-3.11 per
@@ -67,12 +80,36 @@ V-trace's seeds 5 and 8, which were 0.71 and 0.41):
 | vtrace | 0.79 0.79 0.79 0.79 0.79 | 0/5 (0/10; seeds 5-9: 0.69 0.79 0.79 0.53 0.79) | 0/5 (0/10) |
 | decoupled-ppo | 0.46 0.75 0.78 0.71 0.78 | 0/5 (1/10; seeds 5-9: 0.47 0.39 0.75 0.73 0.51) | 0/5 (0/10) |
 | dual-clip | 0.23 0.25 0.24 0.22 0.24 | 5/5 (10/10) | 0/5 (0/10) |
-Control tails: 0.79 on every seed but seed 9 (0.69) for baseline, decoupled PPO and dual clip (whose controls
-are plain PPO), and for V-trace 0.79 but seeds 3 and 5 (0.76 0.78). Full =
-quick over seeds 0-9: the numbers in brackets. One thread: 6.6-7.9 CPU-s per (method, seed) at quick
-(healthy phase plus both branches). Detector: clip fraction above 0.25; baseline healthy rows reach at most
-0.10, control rows 0.16, and the first injected update reads 0.29-0.74 on all 10 seeds (behaviour_kl and
+Control tails: 0.79 on every seed but seed 9 (0.69) for baseline, decoupled PPO and dual clip (whose controls are
+plain PPO), and for V-trace 0.79 but seeds 3 and 5 (0.76 0.78). Full = quick over seeds 0-9: the numbers in
+brackets. One thread: 6.6-7.9 CPU-s per (method, seed) at quick (healthy phase plus both branches). Detector:
+clip fraction above 0.25, chosen (version 2) ONLY on seeds 100-109 (baseline runs): there the healthy rows reach
+at most 0.13, the control rows 0.12-0.24 per seed (0.2 would alarm on 3 of 10 controls, 0.25 on none), and the
+injected branch crosses 0.25 at its first injected update on 8 of 10 seeds (its first-update value is 0.13-0.67),
+on seed 108 at update 16 and on seed 103 only at update 46; version 1 had 0.25 from seeds 0-9 (behaviour_kl and
 rho_out_of_clip are exactly 0 without lag, so they separate by construction and are reported, not used).
+
+Calibration, version 2 (normalized on the version-2 anchors; quick tier, seeds 0-9, with the references):
+| method | failed (injected) | control failed | normalized return [95% CI] | control normalized |
+|---|---|---|---|---|
+| baseline | 10/10 | 0/10 | -0.062 [-0.086, -0.043] | 0.81 |
+| vtrace | 0/10 | 0/10 | 0.676 [0.599, 0.744] | 0.79 |
+| decoupled-ppo | 1/10 | 0/10 | 0.325 [0.210, 0.441] | 0.81 |
+| dual-clip | 10/10 | 0/10 | -0.062 [-0.086, -0.043] | 0.81 |
+| frozen-at-onset | 10/10 | 10/10 | -0.000 [-0.045, 0.038] | -0.00 |
+| no-update | 10/10 | 10/10 | -0.241 [-0.241, -0.241] | -0.24 |
+The baseline scores below the frozen policy: the pull onto the near-uniform initial actors costs it more than
+stopping at onset would (post-onset mean 0.14 against 0.18). Fresh seeds 100-109 (nobody tuned on them):
+| method | failed (injected) | control failed | normalized return [95% CI] | control normalized |
+|---|---|---|---|---|
+| baseline | 10/10 | 0/10 | -0.083 [-0.109, -0.060] | 0.797 |
+| vtrace | 0/10 | 0/10 | 0.624 [0.536, 0.703] | 0.78 |
+| frozen-at-onset | 10/10 | 10/10 | -0.094 [-0.158, -0.032] | -0.09 |
+| no-update | 10/10 | 10/10 | -0.241 [-0.241, -0.240] | -0.24 |
+Tails on seeds 100-109: baseline 0.13-0.25, its control 0.79 on every seed, V-trace 0.72-0.79. The onset
+policies of these seeds are weaker (exact return 0.02-0.22, mean 0.125, against the fixed floor 0.182), so
+the frozen reference normalizes to -0.09 and the baseline's control to 0.797: a hair under the bar's 0.8 with
+the floor measured on seeds 0-9 (0.81 there); not re-tuned.
 
 Staleness map (`staleness_grid("quick")`: 512 env steps per update, envs 4/8/16 x rollout 128/64/32, epochs
 after onset 2/4/10, lag 4/16; baseline, seeds 0-2; return kept = injected / control tail mean, averaged):
@@ -294,6 +331,7 @@ class ParallelStalenessRun:
 class ParallelStaleness(Task):
     id = "parallel-staleness"
     family = "grids"
+    version = "2"
     trainer = "ppo"
     budgets = {
         "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
@@ -305,8 +343,9 @@ class ParallelStaleness(Task):
     methods = ("baseline", "decoupled-ppo", "vtrace", "dual-clip")
     detector = DetectorSpec(metric="clip_frac", threshold=0.25)
     diagnostics = ("behaviour_ratio",)
-    return_floor = 0.0
-    return_ceiling = 0.79
+    # The policy frozen at onset: its exact (DP) return, mean over calibration seeds 0-9 (see the docstring).
+    return_floor = 0.182
+    return_ceiling = 1.0 - 0.9 * 7 / 30  # the room's optimum, exact: 0.79
 
     knobs_type = Knobs
 

@@ -229,3 +229,18 @@ def test_staleness_grid() -> None:
         ParallelStaleness(**cell)  # every cell is a valid knob setting
     with pytest.raises(StabenchError, match="unknown tier"):
         staleness_grid("huge")
+
+
+def test_return_anchors_demand_learning_after_onset() -> None:
+    """Version 2: the ceiling is the room's exact optimum; a learner that never updates (the initial policy,
+    near uniform) fails the ground truth and scores below the floor (the onset policy's return)."""
+    task = ParallelStaleness()
+    table = room_table(6, 30)
+    assert task.return_ceiling == pytest.approx(table.optimal_return())
+    run = task.build("smoke", 0, registry.make_stabilizer("no-update"))
+    rows = [run.step(True) for _ in range(task.budget("smoke").iterations)]
+    returns = {round(r["return"], 12) for r in rows}
+    assert len(returns) == 1  # no update: the learner's exact return never moves
+    untrained = rows[0]["return"]
+    assert untrained < task.ground_truth.threshold and task.normalized_return(untrained) < 0
+    assert 0 < task.return_floor < task.ground_truth.threshold < task.return_ceiling
