@@ -38,6 +38,10 @@ ONSET (the `frozen-at-onset` reference; exact by enumeration per seed, averaged 
 what the control reaches: the baseline's control's post-onset mean return averaged over seeds 0-9 (0.68-0.86
 per seed), measured once and fixed; the exact optimum 1 is out of reach of 60 updates (with ceiling 1 the
 control would normalize to 0.54). Version 1 anchored on 1/6 and 1.
+Seeds each setting was chosen on: the world, the trainer, the rare shares (0.02 / 0.6), the temperature 2, the
+budgets and the 0.8 threshold are version 1's, chosen on seeds 0-4; version 2 changed which branch gets the shift
+and the mismatch (the rule, not a tuning), chose the floor and ceiling on seeds 0-9 and the detector threshold on
+seeds 100-109.
 
 Calibration, version 2 (quick tier: 80 iterations, onset 20; seeds 0-9; tail mean = iterations 60-79):
 | method | failed (injected) | control failed | normalized return [95% CI] | injected tail return, seeds 0-9 |
