@@ -22,6 +22,7 @@ from typing import Any, SupportsFloat
 import gymnasium as gym
 import numpy as np
 import torch
+from minigrid.core.world_object import Goal
 from minigrid.envs import EmptyEnv
 from minigrid.wrappers import ImgObsWrapper
 
@@ -120,15 +121,33 @@ class RoomTable:
         return float(1.0 - 0.9 * t / self.max_steps) if t <= self.max_steps else 0.0
 
 
-_TABLES: dict[tuple[int, int], RoomTable] = {}
+_TABLES: dict[tuple[int, int, tuple[int, int]], RoomTable] = {}
 
 
-def room_table(size: int, max_steps: int) -> RoomTable:
-    """The table of MiniGrid's empty `size` x `size` room, built once per process."""
-    key = (size, max_steps)
+def default_goal(size: int) -> tuple[int, int]:
+    """MiniGrid's goal cell of the empty room: the bottom-right corner of the interior."""
+    return (size - 2, size - 2)
+
+
+def place_goal(env: EmptyEnv, goal: tuple[int, int]) -> None:
+    """Move the goal of a reset MiniGrid empty room from its corner to the interior cell `goal`."""
+    size = env.width
+    if not (1 <= goal[0] <= size - 2 and 1 <= goal[1] <= size - 2) or tuple(goal) == tuple(env.agent_pos):
+        raise ValueError(f"goal {goal} is not a free interior cell of the {size}x{size} room")
+    env.grid.set(*default_goal(size), None)
+    env.grid.set(int(goal[0]), int(goal[1]), Goal())
+
+
+def room_table(size: int, max_steps: int, goal: tuple[int, int] | None = None) -> RoomTable:
+    """The table of MiniGrid's empty `size` x `size` room, built once per process. `goal` moves the goal to
+    another interior cell (opt-in; None keeps MiniGrid's bottom-right corner)."""
+    goal = default_goal(size) if goal is None else (int(goal[0]), int(goal[1]))
+    key = (size, max_steps, goal)
     if key not in _TABLES:
         env = EmptyEnv(size=size, max_steps=max_steps)
         env.reset(seed=0)
+        if goal != default_goal(size):
+            place_goal(env, goal)
         start = (int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))
         states = [(x, y, d) for y in range(1, size - 1) for x in range(1, size - 1) for d in range(4)
                   if env.grid.get(x, y) is None]
@@ -157,24 +176,42 @@ class EmptyRoomFlat(gym.Env):
     are those of `flatten_minigrid(EmptyEnv(...))` bit for bit (a test steps both side by side); MiniGrid
     re-renders its egocentric view and passes it through three wrappers on every step, which took most of
     the environment's share of PPO's time. Rendering places a MiniGrid room in the same state and draws it.
+
+    Opt-in: `goal` puts the goal on another interior cell, and `change_room(goal, max_steps)` switches the
+    room (goal cell and timeout) from the next `reset` on, so an episode under way ends in the room it began.
     """
 
     metadata = {"render_modes": ["human", "rgb_array"], "render_fps": 10}
 
-    def __init__(self, size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> None:
+    def __init__(self, size: int = 5, max_steps: int | None = None, render_mode: str | None = None,
+                 goal: tuple[int, int] | None = None) -> None:
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
         self.size, self.render_mode = size, render_mode
         self.max_steps = 4 * size * size if max_steps is None else int(max_steps)  # MiniGrid's default
-        self.table = room_table(size, self.max_steps)
+        self.goal = default_goal(size) if goal is None else (int(goal[0]), int(goal[1]))
+        self.table = room_table(size, self.max_steps, self.goal)
         self._obs = self.table.obs.numpy()
         self.observation_space = gym.spaces.Box(0.0, 1.0, shape=self._obs.shape[1:], dtype=np.float32)
         self.action_space = gym.spaces.Discrete(N_ACTIONS)
         self.state, self.step_count, self.heading = self.table.start, 0, 0
         self._painter: EmptyEnv | None = None
+        self._next_room: tuple[tuple[int, int], int] | None = None
+
+    def change_room(self, goal: tuple[int, int], max_steps: int | None = None) -> None:
+        """From the next `reset` on, the goal stands on `goal` and episodes time out after `max_steps`."""
+        goal = (int(goal[0]), int(goal[1]))
+        max_steps = self.max_steps if max_steps is None else int(max_steps)
+        room_table(self.size, max_steps, goal)  # validates the goal cell now
+        self._next_room = (goal, max_steps)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)  # the room is deterministic: the seed only seeds `np_random`
+        if self._next_room is not None:
+            (self.goal, self.max_steps), self._next_room = self._next_room, None
+            self.table = room_table(self.size, self.max_steps, self.goal)
+            self._obs = self.table.obs.numpy()
+            self.close()  # the painter draws the room it was built for
         self.state, self.step_count = self.table.start, 0
         if self.render_mode == "human":
             self.render()
@@ -204,7 +241,9 @@ class EmptyRoomFlat(gym.Env):
         if self._painter is None:
             self._painter = EmptyEnv(size=self.size, max_steps=self.max_steps, render_mode=self.render_mode)
             self._painter.reset(seed=0)
-        x, y, d = (self.size - 2, self.size - 2, self.heading) if self.state < 0 else self.table.cells[self.state]
+            if self.goal != default_goal(self.size):
+                place_goal(self._painter, self.goal)
+        x, y, d = (*self.goal, self.heading) if self.state < 0 else self.table.cells[self.state]
         self._painter.agent_pos, self._painter.agent_dir = (x, y), d
         self._painter.step_count = self.step_count
         return self._painter.render()
@@ -215,9 +254,11 @@ class EmptyRoomFlat(gym.Env):
             self._painter = None
 
 
-def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> gym.Env:
-    """MiniGrid's empty room (start top-left facing right, goal bottom-right) with the flat interface."""
-    return EmptyRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode)
+def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: str | None = None,
+                    goal: tuple[int, int] | None = None) -> gym.Env:
+    """MiniGrid's empty room (start top-left facing right, goal bottom-right unless `goal` says another
+    interior cell) with the flat interface."""
+    return EmptyRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode, goal=goal)
 
 
 # Worlds registered at import: id -> (entry point, kwargs).

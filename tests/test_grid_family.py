@@ -20,7 +20,7 @@ from baselines.stabilizers.grad_clip import GradClip  # noqa: E402
 from baselines.stabilizers.multiskip_residual import MultiSkipResidual  # noqa: E402
 from suite.api import Stabilizer  # noqa: E402
 from suite.diagnostics import DIAGNOSTICS, layer_groups, per_layer_grad_norms  # noqa: E402
-from tasks.dead_layers import DeadLayers  # noqa: E402
+from tasks.dead_layers import NEW_GOAL, NEW_MAX_STEPS, DeadLayers, new_room  # noqa: E402
 from tasks.grids import WORLDS, make_vector_env  # noqa: E402
 
 pytestmark = pytest.mark.smoke
@@ -143,6 +143,91 @@ def test_dead_layers_rows_and_deepcopy_branching() -> None:
     assert a.trainer.envs.get_attr("reward_scale") == (1000.0,) * 8
     assert run.trainer.envs.get_attr("reward_scale") == (1.0,) * 8  # the original is untouched
     assert all(r <= task.return_ceiling + 1e-9 for r in (ra["return"],) if math.isfinite(r))  # true, unscaled
+
+
+def test_dead_layers_room_changes_at_onset_in_both_branches() -> None:
+    task = DeadLayers()
+    onset = task.budget("smoke").onset
+    torch.manual_seed(0)
+    run = task.build("smoke", 0, Stabilizer())
+    for _ in range(onset):
+        run.step(False)
+    assert run.trainer.envs.get_attr("goal") == ((3, 3),) * 8  # the healthy phase: MiniGrid's corner goal
+    for injected in (False, True):
+        branch = copy.deepcopy(run)
+        for _ in range(task.budget("smoke").iterations - onset):
+            branch.step(injected)
+        for _ in range(NEW_MAX_STEPS + 100):  # every env finishes the episode it began in the old room
+            branch.trainer.iterate()
+        assert branch.trainer.envs.get_attr("goal") == (NEW_GOAL,) * 8
+        assert branch.trainer.envs.get_attr("max_steps") == (NEW_MAX_STEPS,) * 8
+        assert branch.trainer.envs.get_attr("reward_scale") == ((1000.0,) if injected else (1.0,)) * 8
+    assert run.trainer.envs.get_attr("goal") == ((3, 3),) * 8  # the healthy run is untouched
+
+
+def test_dead_layers_anchors_make_not_learning_fail() -> None:
+    task, room = DeadLayers(), new_room()
+    # the ceiling is the new room's exact optimum: forward, turn right, forward onto the centre (3 steps)
+    assert task.return_ceiling == pytest.approx(1 - 0.9 * 3 / NEW_MAX_STEPS) == pytest.approx(room.optimal_return())
+    uniform, _ = room.evaluate(torch.zeros(len(room.obs), 3))  # what `no-update` (a near-uniform policy) earns
+    threshold = task.ground_truth.threshold
+    assert task.return_floor < threshold < task.return_ceiling and uniform < threshold
+    # both optimal paths of the old room (top row then right column; left column then bottom row), ending in
+    # a spin on the old goal's cell, never find the centre: the onset policy's habit is worth nothing here
+    for old_path in ([2, 2, 1, 2, 2] + [0] * 4, [1, 2, 2, 0, 2, 2] + [0] * 4):
+        logits = torch.full((len(room.obs), 3), -30.0)
+        state = room.start
+        for action in old_path:
+            logits[state, action] = 30.0
+            state = int(room.next_state[state, action])
+            assert state >= 0
+        assert room.cells[state][:2] == (3, 3) and room.evaluate(logits)[0] < 1e-6
+
+
+def test_moved_goal_room_steps_exactly_as_minigrid() -> None:
+    from minigrid.envs import EmptyEnv
+
+    from tasks.grids import EmptyRoomFlat, flatten_minigrid, place_goal
+
+    fast = EmptyRoomFlat(size=5, max_steps=NEW_MAX_STEPS, goal=NEW_GOAL)
+    ref = EmptyEnv(size=5, max_steps=NEW_MAX_STEPS)
+    slow = flatten_minigrid(ref)
+    slow.reset(seed=0)
+    place_goal(ref, NEW_GOAL)
+    fast.reset(seed=0)
+    rng, ends = np.random.default_rng(0), 0
+    for _ in range(2000):
+        action = int(rng.choice(3, p=[0.2, 0.2, 0.6]))
+        got, want = fast.step(action), slow.step(action)
+        assert np.array_equal(got[0], want[0]) and got[1:4] == want[1:4]
+        if got[2] or got[3]:
+            ends += got[2]
+            slow.reset()
+            place_goal(ref, NEW_GOAL)
+            fast.reset()
+    assert ends >= 5
+    # change_room takes effect at the next reset, not in the episode under way
+    env = EmptyRoomFlat(size=5)
+    env.reset(seed=0)
+    env.change_room(NEW_GOAL, NEW_MAX_STEPS)
+    env.step(2)
+    assert env.goal == (3, 3) and env.max_steps == 100
+    env.reset()
+    assert env.goal == NEW_GOAL and env.max_steps == NEW_MAX_STEPS
+    with pytest.raises(ValueError, match="not a free interior cell"):
+        env.change_room((1, 1))  # the start cell
+
+
+def test_fix_takes_the_reward_scale_out_of_the_critic_loss_only() -> None:
+    fix = MultiSkipResidual()
+    assert isinstance(fix.model(PlainMLP(SPEC), SPEC), MultiSkipResidualMLP)
+    terms = {"policy": torch.tensor(0.3), "value": torch.tensor(2.0), "entropy": torch.tensor(-0.9)}
+    returns = torch.tensor([0.0, 0.5, 0.86, 0.2])  # true returns (at most 1): the loss is left as it is
+    same = fix.loss(dict(terms), {"returns": returns})
+    assert all(torch.equal(same[k], terms[k]) for k in terms)
+    scaled = fix.loss(dict(terms), {"returns": 1000.0 * returns})  # the shock: value term / E[R^2]
+    assert torch.equal(scaled["policy"], terms["policy"]) and torch.equal(scaled["entropy"], terms["entropy"])
+    assert float(scaled["value"]) == pytest.approx(2.0 / float((1000.0 * returns).pow(2).mean()), rel=1e-6)
 
 
 def test_same_seed_same_rows() -> None:
