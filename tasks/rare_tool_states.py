@@ -71,9 +71,12 @@ there, 0.72-0.94 elsewhere) and turn-is fails 6/10 (tails 0.53-0.77 on seeds 1, 
 3/10): in the tail its entropy is 0.01-0.18, it settles on a deterministic partial decoding (rare-format return
 0.22-0.61 on the failing seeds), which is what v1 saw on its one failing seed. The token-level ablation token-tis
 fails 1/10 (seed 5, 0.74) and is as good as the control (normalized 1.0), so turn-level granularity buys nothing
-here and hurts. Tried: only the version-2 design above, at 80 iterations. Not tried (no time in this session): a
-longer post-onset phase (120 iterations at quick), which the control's still-rising tail suggests, and token-tis
-as the matched fix.
+here and hurts. Tried: the version-2 design above at 80 iterations (shipped), and one probe NOT shipped (plain
+`run_trial`, the quick budget patched to 120 iterations with onset 20, tail = iterations 90-119, seeds 0-9, i.e.
+calibration seeds): the baseline fails 10/10 (0.59-0.63) and its control 0/10 (0.88-0.96), turn-is still fails
+3/10 (0.53, 0.63, 0.73 on seeds 6, 5, 4), token-tis 0/10 (0.81-1.00; its control 1/10). So a longer post-onset
+phase with token-tis as the matched fix would likely meet the bar; it needs its own calibration and fresh-seed
+check, not done in this session.
 
 Mechanism, as measured (version 2, seeds 0-9). At onset every branch drops to 0.47-0.55. The baseline then
 stalls: its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens the policy
