@@ -34,7 +34,7 @@ if "RAY_AUTH_MODE" not in os.environ and (
 from ray import tune  # noqa: E402  (after the environment Ray reads at import)
 
 from suite import registry  # noqa: E402
-from suite.api import StabenchError  # noqa: E402
+from suite.api import REFERENCE_METHODS, StabenchError  # noqa: E402
 from suite.trial import SUITE_VERSION, TrialSpec, cell_name, digest, run_trial  # noqa: E402, F401  (the public names)
 
 LIBRARIES = ("torch", "gymnasium", "minigrid", "transformers", "ray", "numpy", "pandas", "scipy")
@@ -60,7 +60,7 @@ class ExperimentSpec:
 
     tier: str
     tasks: tuple[str, ...]
-    methods: tuple[str, ...] | None = None  # None: each task's own default methods
+    methods: tuple[str, ...] | None = None  # None: each task's own default methods and the two references
     seeds: int | None = None  # None: each task's budget at the tier
     seed_start: int = 0  # seeds seed_start .. seed_start + seeds - 1 (fresh seeds nobody tuned on: e.g. 100)
     stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
@@ -87,7 +87,9 @@ class ExperimentSpec:
                 for cell in cells:
                     registry.get_task(name, **cell)  # a bad cell fails here, before anything runs
             budget = task.budget(self.tier)
-            methods = list(self.methods if self.methods is not None else task.methods) + list(self.stabilizers)
+            # a default sweep runs each task's own methods and the references that anchor the floor
+            own = self.methods if self.methods is not None else (*task.methods, *REFERENCE_METHODS)
+            methods = list(dict.fromkeys(own)) + list(self.stabilizers)
             usable = []
             for method in methods:
                 registry.method_name(method)  # a plugin's recorded name must be its own
