@@ -218,9 +218,6 @@ class Task:
     diagnostics: ClassVar[tuple[str, ...]]  # diagnostic columns every row carries
     return_floor: ClassVar[float]  # fixed per task version: 0 = the policy frozen at onset, after onset ...
     return_ceiling: ClassVar[float]  # ... and 1 = the post-onset optimum (or the control's reach)
-    # Kept for tasks that still set it; the detector track no longer reads it (its credit decays over the
-    # whole post-onset horizon, see `suite.scoring`).
-    detection_window: ClassVar[float] = 0.25
     # Columns a detector must not see beyond `return`, the `gt_*` columns and the ground-truth metric
     # (a held-out gold score, an exact quantity the practitioner cannot measure). A task that wants to
     # expose the training reward it observes adds its own column (for example `reward_observed`).

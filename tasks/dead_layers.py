@@ -184,7 +184,6 @@ class DeadLayers(Task):
     diagnostics = ("grad_norms", "dormant")
     return_floor = 0.147  # exact post-onset return of the baseline policy frozen at onset, mean over seeds 0-9
     return_ceiling = room_table(SIZE, NEW_MAX_STEPS, NEW_GOAL).optimal_return()
-    detection_window = 0.2
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> DeadLayersRun:
         budget = self.budget(tier)  # validates the tier

@@ -362,10 +362,10 @@ class EntropyCollapse(Task):
     # Collapse under way: token entropy down 0.7 nats (of ~1.45 at onset) within 10 iterations (seeds 100-109).
     detector = DetectorSpec(metric="entropy_trend", threshold=-0.7, above=False)
     diagnostics = ("grad_norms",)
+    # exact by enumeration over held-out prompts, or gold on the batch that the vote-paid groups never see
+    privileged = ("heldout_accuracy", "heldout_seq_entropy", "live_correct", "old_rule_accuracy", "train_accuracy")
     return_floor = 0.2904  # the frozen-at-onset policy's post-onset return, mean of seeds 0-9 (exact per seed)
     return_ceiling = 0.5132  # the control's post-onset return, mean of seeds 0-9 (coverage_optimum() is 0.8964)
-    # The trend crosses 7-26 iterations after onset (of 47, seeds 100-109): a window of 0.6 (28 iterations) covers it.
-    detection_window = 0.6
     knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> EntropyCollapseRun:

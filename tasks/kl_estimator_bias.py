@@ -301,12 +301,11 @@ class KLEstimatorBias(Task):
     methods = ("baseline", "kl-max", "kl-k2", "kl-k1-reward")
     detector = DetectorSpec(metric="kl_k1", threshold=1.5)
     diagnostics = ("kl_estimators", "grad_norms")
+    privileged = ("exact_reward", "goal_mass", "rare_share")  # exact by enumeration
     # Floor: the frozen-at-onset runs' exact objective (injected reward), mean over seeds 0-9, quick tier.
     # Ceiling: `goal_ceiling()`, the exact regularized optimum (a test checks it).
     return_floor = 0.7375227478807367
     return_ceiling = 6.333804657710605
-    # Quick-tier k1 crossings of seeds 0-9 come 37-74 iterations after onset, of a post-onset horizon of 100.
-    detection_window = 0.75
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> KLEstimatorBiasRun:
         return KLEstimatorBiasRun(self.budget(tier), seed, stabilizer, self.diagnostics)

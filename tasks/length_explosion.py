@@ -446,9 +446,6 @@ class LengthExplosion(Task):
     diagnostics = ("lengths",)
     return_floor = 0.578  # frozen at onset, exact, mean over seeds 0-9 (module docstring)
     return_ceiling = 1.0
-    # Seeds 0-9, baseline: the old problems' chains cross 6 THINK 33-91 iterations into the 120 after onset
-    # (truncation above 5% at 18-84): a window of 0.8 covers them all.
-    detection_window = 0.8
     knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> LengthExplosionRun:

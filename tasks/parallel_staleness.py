@@ -343,6 +343,7 @@ class ParallelStaleness(Task):
     methods = ("baseline", "decoupled-ppo", "vtrace", "dual-clip")
     detector = DetectorSpec(metric="clip_frac", threshold=0.25)
     diagnostics = ("behaviour_ratio",)
+    privileged = ("actor_lag",)  # the injected lag is the ground truth of what was done to the run
     # The policy frozen at onset: its exact (DP) return, mean over calibration seeds 0-9 (see the docstring).
     return_floor = 0.182
     return_ceiling = 1.0 - 0.9 * 7 / 30  # the room's optimum, exact: 0.79

@@ -362,7 +362,7 @@ class RewardHacking(Task):
     return_floor = 0.1496
     return_ceiling = 0.6734
     # Columns computed from the gold reward or naming the keyword: a practitioner sees neither.
-    privileged = ("proxy_gold_gap", "batch_gold", "keywords")
+    privileged = ("proxy_gold_gap", "batch_gold", "keywords", "exact_kl")  # exact_kl: by enumeration
     knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RewardHackingRun:
