@@ -13,6 +13,7 @@ import pytest
 from conftest import TOY
 
 from suite import registry
+from suite.api import REFERENCE_METHODS
 
 pytestmark = pytest.mark.smoke
 
@@ -45,7 +46,7 @@ def folder_digest(folder: Path) -> dict[str, str]:
 
 def methods_of(task) -> set[str]:
     extra = {"advantage-clip"} if registry.make_stabilizer(STABILIZER).applies_to(task.trainer) else set()
-    return set(task.methods) | extra
+    return set(task.methods) | set(REFERENCE_METHODS) | extra  # a default sweep runs both references too
 
 
 def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
@@ -139,7 +140,8 @@ def test_run_on_a_ray_cluster_started_with_ray_start_head(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert f"the Ray cluster at 127.0.0.1:{port} with 1 CPUs" in proc.stderr
         table = pd.read_parquet(out / "metrics.parquet")
-        assert len(table) == 2 * registry.get_task(f"{TOY}:ToyTask").budget("smoke").iterations
+        methods = 1 + len(REFERENCE_METHODS)  # the toy's baseline and both references
+        assert len(table) == 2 * methods * registry.get_task(f"{TOY}:ToyTask").budget("smoke").iterations
     finally:
         # end only what this test started: the head's process group, then any of its daemons by pid
         os.killpg(head.pid, signal.SIGKILL)
