@@ -1,5 +1,6 @@
 """rare-tool-states: a tool's rare reply format becomes common, and PPO against a mismatched sampler's log-probs
-cannot learn it (EXPERIMENTAL in version 2: it misses the bar, numbers below).
+cannot learn it (EXPERIMENTAL in version 3: it meets the bar on seeds 0-9 but its control fails 2/10 on the
+fresh seeds 100-109, numbers below).
 
 The world (a gymnasium env, `stabench/RareToolStates-v0`, tokens in, tokens out). A query digit x (6 values);
 the policy writes a call argument (right: x); the tool writes its reply into the sequence: a format flag
@@ -16,92 +17,94 @@ epochs over each rollout (reuse), Adam 3e-3, clip 0.2, no KL or entropy term. Th
 log-probs, and the baseline forms the PPO ratio against them, as an asynchronous pipeline that reuses the
 engine's log-probs does.
 
-What must be learned after onset (version 2, issue 12 "not learning must not win"). At onset (iteration 20
-of 80 at quick) the rare format goes from 2% of the replies to 60% in BOTH branches: the new problem is to
-decode the shifted reply. The policy at onset scores 0.12-0.25 on the rare format (seeds 0-9), so its
-post-onset return is 0.47-0.55; the optimum is 1. The injection (injected branch only, from onset): the
-sampler draws tool-state tokens at temperature 2 (a sampling/training mismatch confined to tool turns; on
-text tokens the sampler is the policy); before onset and in the control the sampler is the policy. Version 1
-had the mismatch in every branch from the start and the shift in the injected branch only, so its control
-had nothing left to learn after onset (0.98 at onset and at the end); version 2 moves the shift into both
-branches and makes the mismatch the injection (the stall it causes is the same mechanism as before).
+What must be learned after onset (issue 12 "not learning must not win"). At onset (iteration 20 of 120 at
+quick) the rare format goes from 2% of the replies to 60% in BOTH branches: the new problem is to decode the
+shifted reply. The policy at onset scores 0.12-0.25 on the rare format (seeds 0-9), so its post-onset return
+is 0.47-0.55; the optimum is 1. The injection (injected branch only, from onset): the sampler draws
+tool-state tokens at temperature 2 (a sampling/training mismatch confined to tool turns; on text tokens the
+sampler is the policy); before onset and in the control the sampler is the policy. Version 1 had the
+mismatch in every branch from the start and the shift in the injected branch only, so its control had
+nothing left to learn after onset; version 2 moved the shift into both branches and made the mismatch the
+injection; version 3 (this one) gives the post-onset phase 100 iterations instead of 60 (quick 120
+iterations, onset 20) and makes the token-level truncated IS (`token-tis`) the matched fix, since that is
+what measurably works (turn-is stays as a named variant).
 
 Ground truth: the exact expected reward of the trained policy (temperature 1), by enumeration over the
 call and every answer prefix, under the branch's current rare share; failure = its mean over the last 25%
-of the run below 0.8. With 60% rare replies a policy that never learns the rare format scores at most
-0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the rare-format digits
-right; the policy frozen at onset scores 0.47-0.55 and fails on every seed.
+of the run (quick: iterations 90-119) below 0.8. With 60% rare replies a policy that never learns the rare
+format scores at most 0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the
+rare-format digits right; the policy frozen at onset scores 0.47-0.55 and fails on every seed.
 
-Normalized return (version 2): `return_floor` = 0.503 is the exact post-onset return of the policy FROZEN AT
-ONSET (the `frozen-at-onset` reference; exact by enumeration per seed, averaged over calibration seeds 0-9:
-0.51 0.48 0.52 0.47 0.50 0.54 0.50 0.49 0.47 0.55), measured once and fixed. `return_ceiling` = 0.770 is
-what the control reaches: the baseline's control's post-onset mean return averaged over seeds 0-9 (0.68-0.86
-per seed), measured once and fixed; the exact optimum 1 is out of reach of 60 updates (with ceiling 1 the
-control would normalize to 0.54). Version 1 anchored on 1/6 and 1.
-Seeds each setting was chosen on: the world, the trainer, the rare shares (0.02 / 0.6), the temperature 2, the
-budgets and the 0.8 threshold are version 1's, chosen on seeds 0-4; version 2 changed which branch gets the shift
-and the mismatch (the rule, not a tuning), chose the floor and ceiling on seeds 0-9 and the detector threshold on
-seeds 100-109.
+Normalized return: `return_floor` = 0.503 is the exact post-onset return of the policy FROZEN AT ONSET (the
+`frozen-at-onset` reference; exact by enumeration per seed, averaged over calibration seeds 0-9 at the
+version-3 budget: 0.51 0.48 0.52 0.47 0.50 0.54 0.50 0.49 0.47 0.55, unchanged from version 2 since the onset
+is), measured once and fixed. `return_ceiling` = 0.826 is what the control reaches: the baseline's control's
+post-onset mean return (iterations 20-119) averaged over seeds 0-9 (0.77-0.90 per seed), measured once and
+fixed; the exact optimum 1 is not reached within 100 updates (the control's tail is 0.88-0.96).
+Seeds each setting was chosen on: the world, the trainer, the rare shares (0.02 / 0.6), the temperature 2 and
+the 0.8 threshold are version 1's, chosen on seeds 0-4; the 120-iteration budget and token-tis as the matched
+fix were chosen on seeds 0-9 (a probe with plain `run_trial` in version 2's session, then this calibration);
+the floor and ceiling on seeds 0-9; the detector threshold on seeds 100-109 only.
 
-Calibration, version 2 (quick tier: 80 iterations, onset 20; seeds 0-9; tail mean = iterations 60-79):
+Calibration, version 3 (quick tier: 120 iterations, onset 20; seeds 0-9; tail = iterations 90-119):
 | method | failed (injected) | control failed | normalized return [95% CI] | injected tail return, seeds 0-9 |
 |---|---|---|---|---|
-| baseline | 10/10 | 2/10 | 0.212 [0.183, 0.241] | 0.60 0.58 0.59 0.60 0.59 0.58 0.56 0.58 0.56 0.59 |
-| turn-is | 6/10 | 3/10 | 0.718 [0.463, 0.967] | 0.90 0.75 0.92 0.86 0.59 0.63 0.53 0.77 0.74 0.83 |
-| token-tis | 1/10 | 1/10 | 1.012 [0.878, 1.134] | 0.86 0.99 0.92 0.93 0.82 0.74 0.86 0.86 0.89 0.89 |
-| tool-dual-clip | 10/10 | 2/10 | 0.212 [0.183, 0.241] | as the baseline at two decimals |
-| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.058, 0.062] | 0.47-0.55 (the onset policy) |
-| no-update | 10/10 | 10/10 | 0.033 [0.033, 0.033] | 0.51 (the warm start) |
-The baseline's control tails: 0.96 0.85 0.90 0.92 0.88 0.76 0.91 0.76 0.83 0.91 (control normalized 1.00 by
-construction of the ceiling).
+| baseline | 10/10 | 0/10 | 0.233 [0.211, 0.255] | 0.61 0.61 0.60 0.63 0.62 0.61 0.60 0.62 0.59 0.62 |
+| token-tis (fix) | 0/10 | 1/10 | 0.998 [0.901, 1.086] | 0.90 1.00 0.93 0.93 0.90 0.81 0.90 0.90 0.90 0.90 |
+| turn-is | 3/10 | 3/10 | 0.716 [0.495, 0.925] | 0.95 0.83 0.93 0.87 0.73 0.63 0.53 0.83 0.82 0.87 |
+| tool-dual-clip | 10/10 | 0/10 | 0.233 [0.211, 0.255] | as the baseline at two decimals |
+| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.048, 0.051] | 0.47-0.55 (the onset policy) |
+| no-update | 10/10 | 10/10 | 0.027 [0.027, 0.027] | 0.51 (the warm start) |
+The baseline's control tails: 0.96 0.90 0.93 0.95 0.89 0.89 0.93 0.88 0.89 0.93 (control normalized 1.00 by
+construction of the ceiling); token-tis's own control fails on seed 7 (0.76). `stabench score --calibration`:
+bar met on seeds 0-9.
 Fresh seeds 100-109 (nobody tuned on them):
 | method | failed (injected) | control failed | normalized return [95% CI] |
 |---|---|---|---|
-| baseline | 10/10 | 2/10 | 0.243 [0.217, 0.264] |
-| turn-is | 3/10 | 2/10 | 0.926 [0.743, 1.127] |
-| frozen-at-onset | 10/10 | 10/10 | 0.003 [-0.137, 0.144] |
-| no-update | 10/10 | 10/10 | 0.033 [0.033, 0.033] |
-Tails on seeds 100-109: baseline 0.57-0.61; its control 0.89 0.96 0.83 0.83 0.96 0.71 0.80 0.96 0.88 0.89 (fails
-on 2); turn-is 0.80 0.97 0.79 0.83 0.96 0.81 0.88 0.87 0.68 0.81. So the misses repeat on fresh seeds: the
-control fails 2/10 and the matched fix 3/10.
+| baseline | 10/10 | 2/10 | 0.256 [0.237, 0.277] |
+| token-tis (fix) | 0/10 | 1/10 | 1.038 [0.956, 1.132] |
+| frozen-at-onset | 10/10 | 10/10 | 0.002 [-0.113, 0.119] |
+| no-update | 10/10 | 10/10 | 0.027 [0.027, 0.027] |
+Tails on seeds 100-109: baseline 0.59-0.64; its control 0.93 0.96 0.88 0.83 0.96 0.79 0.80 0.96 0.96 0.89 (fails
+on seeds 105 and 106, 0.79 and 0.80, still learning the rare format at iteration 120); token-tis 0.89-0.97
+(its control fails on seed 106, 0.80). `stabench score --calibration`: "missed: control healthy".
 
-Why EXPERIMENTAL: the bar asks the control to fail <= 10% and the matched fix <= 20%. The control fails 2/10
-(tails 0.76 on seeds 5 and 7: it is still learning the rare format at iteration 80, rare-format return 0.59-0.61
-there, 0.72-0.94 elsewhere) and turn-is fails 6/10 (tails 0.53-0.77 on seeds 1, 4, 5, 6, 7, 8; its own control
-3/10): in the tail its entropy is 0.01-0.18, it settles on a deterministic partial decoding (rare-format return
-0.22-0.61 on the failing seeds), which is what v1 saw on its one failing seed. The token-level ablation token-tis
-fails 1/10 (seed 5, 0.74) and is as good as the control (normalized 1.0), so turn-level granularity buys nothing
-here and hurts. Tried: the version-2 design above at 80 iterations (shipped), and one probe NOT shipped (plain
-`run_trial`, the quick budget patched to 120 iterations with onset 20, tail = iterations 90-119, seeds 0-9, i.e.
-calibration seeds): the baseline fails 10/10 (0.59-0.63) and its control 0/10 (0.88-0.96), turn-is still fails
-3/10 (0.53, 0.63, 0.73 on seeds 6, 5, 4), token-tis 0/10 (0.81-1.00; its control 1/10). So a longer post-onset
-phase with token-tis as the matched fix would likely meet the bar; it needs its own calibration and fresh-seed
-check, not done in this session.
+Why EXPERIMENTAL: the default suite asks every failure-rate check to hold on seeds 100-109 too; the control
+fails 2/10 there (> 10%), both misses by a hair (0.79, 0.80 against 0.8): the control is slow, not broken.
+Everything else holds on both seed sets (baseline 10/10, fix 0/10 and 100 points below, references 10/10).
+Not tried, because it would be chosen after looking at the fresh seeds: a longer post-onset phase (e.g. 160
+iterations); it needs a new fresh-seed set to check. Version 2 (80 iterations) had the control failing 2/10
+and turn-is 6/10 on seeds 0-9.
 
-Mechanism, as measured (version 2, seeds 0-9). At onset every branch drops to 0.47-0.55. The baseline then
-stalls: its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens the policy
-already prefers (pi_old > q under a flatter sampler) r > 1.2 from the first epoch and every positive-
-advantage update is clipped to zero, while on tokens it disprefers negative-advantage updates are clipped
-(r < 0.8): the policy cannot become confident in the tool state. Tail return 0.56-0.60 (rare-format return
-0.27-0.34), control 0.76-0.96; its token entropy stays HIGH (0.74-0.77 in the tail, control 0.03-0.13): not an
-entropy collapse, the policy is held near the sampler's flattened distribution; median post-onset clip
-fraction 0.17-0.23 (control 0.01-0.03). `tool-dual-clip` (the plain guard, c = 3) equals the baseline to two
-decimals on every seed: ratios on negative advantages never reach 3 (tool-state ratio p99 1.5-1.7). The
-failure is not a ratio blow-up; correcting the sampler's log-probs (turn-is, token-tis) is what helps.
+Mechanism, as measured (seeds 0-9, tail = iterations 90-119). At onset every branch drops to 0.47-0.55. The
+baseline then stalls: its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens
+the policy already prefers (pi_old > q under a flatter sampler) r > 1.2 from the first epoch and every
+positive-advantage update is clipped to zero, while on tokens it disprefers negative-advantage updates are
+clipped (r < 0.8): the policy cannot become confident in the tool state. Tail return 0.59-0.63 (rare-format
+return 0.32-0.38), control 0.88-0.96; its token entropy stays HIGH (0.72-0.76 in the tail, control
+0.02-0.08): not an entropy collapse, the policy is held near the sampler's flattened distribution; median
+post-onset clip fraction 0.19-0.25 (control 0.00-0.02). `tool-dual-clip` (the plain guard, c = 3) equals the
+baseline to two decimals on every seed: ratios on negative advantages never reach 3 (tool-state ratio p99
+1.56-1.68). The failure is not a ratio blow-up; correcting the sampler's log-probs token by token is what
+helps: token-tis (ratio against the recomputed pi_old, detached weight min(pi_old / q, 2) per token) learns
+the rare format (rare-format tail return 0.70-1.00, entropy 0.01-0.08) as fast as the control (normalized
+1.00). The turn-level weight (turn-is) is worse: it fails 3/10 (seeds 4, 5, 6: 0.73, 0.63, 0.53) and so
+does its own control, where the sampler is exact (seeds 1, 5, 7: 0.73, 0.80, 0.76; not diagnosed); on its
+failing seeds it settles on a deterministic partial decoding (entropy 0.00-0.14, rare-format return
+0.22-0.55).
 
-Fixes: `turn-is` (matched fix, SORL-style: the ratio against the recomputed pi_old, a detached turn-level
-truncated weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization); `token-tis` (the
-token-level ablation: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token). Version 1 also
-measured SORL's geometric-mean turn weight (5/5 failed) and the Turn-PPO turn-level ratio (2/5 failed).
+Fixes: `token-tis` (matched fix: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token);
+`turn-is` (variant, SORL-style: the ratio against the recomputed pi_old, a detached turn-level truncated
+weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization). Version 1 also measured SORL's
+geometric-mean turn weight (5/5 failed) and the Turn-PPO turn-level ratio (2/5 failed).
 
-Diagnostics. Tool-state ratio p99 is 1.5-1.7 in the injected branch after onset and 1.2-1.4 in the control (4
-epochs of reuse alone), text-state p99 1.00. The clip fraction is the default detector: at most 0.10 before onset
-(seeds 0-9), the baseline's control up to 0.33 after onset (it learns the rare format with 4 epochs of reuse),
-the injected baseline 0.20-0.47 at its first post-onset iteration. The threshold 0.27 was chosen ONLY on seeds
-100-109 (baseline runs): the injected branch crosses it at onset or one iteration later on 10/10 seeds, the
-control on 1/10 (its maximum per seed 0.09-0.33); 0.2 would alarm on 5 controls, 0.25 on 2. It flags the shift of
-the batch into mismatched states at onset, not which method will recover (the fixed runs' median clip fraction
-after onset is 0.04-0.38 on seeds 0-9).
+Diagnostics. Tool-state ratio p99 is 1.5-1.7 in the injected branch after onset and 1.0-1.4 in the control (4
+epochs of reuse alone), text-state p99 1.00. The clip fraction is the default detector: on seeds 100-109
+(baseline runs, version 3) it is at most 0.08 before onset, the injected branch reaches 0.20-0.47 at its first
+post-onset iteration, the control's maximum per seed is 0.09-0.33. The threshold 0.27 was chosen ONLY on
+those runs: the injected branch crosses it at onset or one iteration later on 10/10 seeds, the control on
+1/10; 0.25 would alarm on 2 controls, 0.33 misses the injected branch on one seed and crosses late (57, 108)
+on two. It flags the shift of the batch into mismatched states at onset, not which method will recover.
 """
 
 from __future__ import annotations
@@ -400,26 +403,26 @@ class RareToolStates(Task):
 
     id = "rare-tool-states"
     family = "tools"
-    version = "2"
+    version = "3"
     trainer = "tool-ppo"
     budgets = {
         "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
-        "quick": Budget(iterations=80, onset=20, seeds=5),
+        "quick": Budget(iterations=120, onset=20, seeds=5),
         "full": Budget(iterations=160, onset=40, seeds=10),
     }
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)
-    matched_fix = "turn-is"
-    methods = ("baseline", "turn-is", "token-tis", "tool-dual-clip")
+    matched_fix = "token-tis"
+    methods = ("baseline", "token-tis", "turn-is", "tool-dual-clip")
     # Clip fraction: at most 0.08 before onset; the control up to 0.33, the injected baseline 0.20-0.47 at onset.
     detector = DetectorSpec(metric="clip_frac", threshold=0.27)  # chosen on seeds 100-109 only (docstring)
     diagnostics = ("ratio_tails",)
     # Floor: the policy frozen at onset, its exact post-onset return averaged over calibration seeds 0-9;
-    # ceiling: the control's post-onset mean return on the same seeds (the exact optimum, 1, is out of reach
-    # of 60 updates). Both measured once and fixed (see the docstring).
+    # ceiling: the control's post-onset mean return on the same seeds at the 120-iteration budget (the exact
+    # optimum, 1, is not reached in 100 updates). Both measured once and fixed (see the docstring).
     return_floor = 0.503
-    return_ceiling = 0.770
+    return_ceiling = 0.826
     knobs_type = Knobs
-    experimental = True  # misses the bar: control fails 2/10, turn-is 6/10 (see the docstring)
+    experimental = True  # bar met on seeds 0-9; on seeds 100-109 the control fails 2/10 (see the docstring)
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RareToolStatesRun:
         return RareToolStatesRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)

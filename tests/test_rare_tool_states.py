@@ -13,6 +13,7 @@ from gymnasium.utils.env_checker import check_env
 from baselines.stabilizers.turn_level_is import TokenTIS, ToolDualClip, TurnLevelIS, turn_mean, turn_size
 from baselines.tool_ppo import ToolPPO, ToolPPOConfig
 from suite.api import StabenchError, Stabilizer
+from suite.registry import resolve_class
 from tasks import rare_tool_states as task_module
 from tasks.rare_tool_states import ENV_ID, RESULTS, RareToolStates, ToolWorld, exact_returns, warm_policy
 
@@ -175,3 +176,18 @@ def test_exact_sampler_outside_the_injection_and_a_non_learner_fails() -> None:
     frozen = (1 - task_module.RARE_AFTER) * usual + task_module.RARE_AFTER * rare
     assert frozen < task.ground_truth.threshold
     assert task.return_floor < task.ground_truth.threshold
+
+
+def test_version_3_budget_matched_fix_and_anchors() -> None:
+    """Version 3: 100 post-onset iterations at quick, token-level truncated IS as the matched fix (turn-is a
+    variant), the failure tail is iterations 90-119, and the control's reach clears the ground truth's bar."""
+    task = RareToolStates()
+    quick = task.budget("quick")
+    assert (quick.iterations, quick.onset) == (120, 20)
+    assert task.matched_fix == "token-tis" and task.role("token-tis") == "matched-fix"
+    assert task.role("turn-is") == "other" and "turn-is" in task.methods
+    assert resolve_class("stabilizer", task.matched_fix) is TokenTIS
+    tail = math.ceil(task.ground_truth.tail * quick.iterations)
+    assert quick.iterations - tail == 90
+    assert task.return_floor < task.ground_truth.threshold < task.return_ceiling <= 1.0
+    assert task.normalized_return(task.return_floor) == 0.0

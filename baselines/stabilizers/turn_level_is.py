@@ -20,7 +20,8 @@ log-probs computes) is  L = sum_t m_t max(-A r_t, -A clip(r_t, 1 - eps_l, 1 + ep
   log(pi_theta / pi_old)) (SORL's Turn-PPO ratio). Both measured worse on rare-tool-states (task docstring).
 - `TokenTIS` ("token-tis", the token-level ablation: decoupled PPO / verl's truncated importance
   sampling): r'_t = pi_theta / pi_old, w_t = min(pi_old / q, C) detached, L = sum_t m_t w_t
-  max(-A r'_t, -A clip(r'_t)). It tells whether the turn-level granularity matters.
+  max(-A r'_t, -A clip(r'_t)). It tells whether the turn-level granularity matters: on rare-tool-states
+  (version 3) it does not, and token-tis is that task's matched fix (turn-is fails more often there).
 - `ToolDualClip` ("tool-dual-clip", Ye et al. 2020; the plain guard): the trainer's ratio r_t = pi_theta / q,
   and on negative advantages the term is bounded by -c A, c = 3:
   L = sum_t m_t (A < 0 ? min(max(-A r, -A clip(r)), -c A) : max(-A r, -A clip(r))).
