@@ -1,4 +1,4 @@
-"""missing-critic (EXPERIMENTAL in version 2, see below): critic-free REINFORCE credits a whole answer's
+"""missing-critic (EXPERIMENTAL in version 3, see below): critic-free REINFORCE credits a whole answer's
 advantage to every token; once rewards turn sparse and one batch mixes short- and long-horizon problems, the long
 problems' rare signal drowns and they stall.
 
@@ -16,50 +16,64 @@ all 8 are right. At onset the exact LONG success is 0.003-0.005 and the SHORT su
 Ground truth: the exact probability that the policy writes the whole LONG chain right (the correct answer is
 unique: one teacher-forced forward), mean over the last 25% of the run below 0.5. That is the task's return
 too. A run fails when it solves the long problem less often than not at the end; the control reaches
-0.82-0.86 (seeds 0-9).
+0.91-0.94 over the tail (seeds 0-9, version 3).
 
 What must be learned after onset (issue 12, "not learning must not win"): at onset (iteration 7) the LONG
 success is 0.001-0.005, so in BOTH branches the long chain is still to be learned (the control's dense reward
-takes it to 0.82-0.86; the injected branch's sparse reward has the same optimum, 1). A learner that stops
+takes it to 0.91-0.94; the injected branch's sparse reward has the same optimum, 1). A learner that stops
 learning fails on every seed: `frozen-at-onset` keeps 0.001-0.005, `no-update` 0.000.
 
-Normalized return (version 2): `return_floor` = 0.0031 is what the policy FROZEN AT ONSET earns, the exact
+Normalized return (version 3): `return_floor` = 0.0031 is what the policy FROZEN AT ONSET earns, the exact
 (teacher-forced) LONG success of each seed's onset policy averaged over the calibration seeds 0-9 (0.0014
-0.0040 0.0025 0.0052 0.0034 0.0029 0.0034 0.0035 0.0014 0.0037), measured once and fixed.
-`return_ceiling` = 0.515 is what the control reaches: the baseline's control's post-onset mean LONG success
-averaged over seeds 0-9 (0.49-0.54 per seed; it climbs from ~0 to 0.84 over the 33 post-onset iterations),
-measured once and fixed; with the exact optimum 1 as ceiling the control would normalize to 0.51. Version 1
-anchored on 0 and 1. The training code is unchanged from version 1 (same rows).
-Seeds each setting was chosen on: the world, trainer, onset, budgets and the 0.5 threshold are version 1's,
-chosen on seeds 0-4; version 2 chose the floor and ceiling on seeds 0-9 and checked the detector threshold on
-seeds 100-109.
+0.0040 0.0025 0.0052 0.0034 0.0029 0.0034 0.0035 0.0014 0.0037), measured once and fixed; version 3 does not
+change the healthy phase, so version 2's floor holds (re-measured: the same ten numbers).
+`return_ceiling` = 0.666 is what the control reaches: the baseline's control's post-onset mean LONG success
+averaged over seeds 0-9 (0.648-0.685 per seed; it climbs from ~0 to 0.92 over the 53 post-onset iterations of
+the 60-iteration quick tier), measured once and fixed; with the exact optimum 1 as ceiling the control would
+normalize to 0.67. Version 2 (40 iterations) used 0.515, version 1 anchored on 0 and 1.
 
-Calibration, version 2 (quick tier: 40 iterations, onset 7; tail = iterations 30-39; failed = tail below 0.5):
+Version 3 changes (both chosen on seeds 0-9 only, injected branch of mini-critics, one run per setting):
+the quick tier runs 60 iterations instead of 40 (onset 7 unchanged), and the mini-critics' GAE lambda is 0.8
+instead of 0.5. Failed seeds out of 0-9 (tail below 0.5) for what was tried: version 2 (lambda 0.5, 40
+iterations) 2/10; with an entropy term inside the fix, coef 0.01: 4/10, coef 0.03: 10/10 (the policy stays
+near uniform); lambda 0.3: 3/10; lambda 0.8: 2/10 but no early commitment (the two failures, 0.13 and 0.36,
+were still climbing, per-step accuracy 0.89 and 0.96); critic lr 3e-2: 5/10; 4 critics: 4/10; 8 critic steps:
+2/10; 60 iterations at lambda 0.5: 2/10 (seed 4 stuck at per-step accuracy 0.50); onset 12 with 45
+iterations: not finished (stopped for time); lambda 0.8 with 60 iterations: 0/10 (tails 0.86-0.97), kept.
+Seeds each setting was chosen on: the world, trainer, onset and the 0.5 threshold are version 1's, chosen on
+seeds 0-4; version 2 chose the floor on seeds 0-9; version 3 chose the 60 iterations, lambda 0.8 and the
+ceiling on seeds 0-9 and checked the detector threshold on seeds 100-109.
+
+Calibration, version 3 (quick tier: 60 iterations, onset 7; tail = iterations 45-59; failed = tail below 0.5),
+seeds 0-9:
 | method | failed (injected) | control failed | normalized return [95% CI] | injected tail, seeds 0-9 |
 |---|---|---|---|---|
-| baseline | 10/10 | 0/10 | -0.001 [-0.004, 0.002] | 0.00 on every seed (0.01 on seed 7) |
-| mini-critics | 2/10 | 0/10 | 0.789 [0.502, 1.030] | 0.90 0.91 0.78 0.91 0.00 0.92 0.91 0.85 0.00 0.90 |
-| grpo-entropy-bonus-low | 10/10 | 0/10 | -0.004 [-0.005, -0.003] | 0.00 on every seed |
+| baseline | 10/10 | 0/10 | 0.002 [-0.004, 0.010] | 0.00 on every seed (0.01 on seed 4, 0.07 on seed 7) |
+| mini-critics | 0/10 | 0/10 | 0.878 [0.762, 0.977] | 0.97 0.97 0.87 0.95 0.95 0.95 0.97 0.96 0.96 0.94 |
+| grpo-entropy-bonus-low | 10/10 | 0/10 | -0.003 [-0.004, -0.002] | 0.00-0.01 |
 | frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.001, 0.001] | 0.001-0.005 |
-| no-update | 10/10 | 10/10 | -0.006 [-0.006, -0.006] | 0.000 |
+| no-update | 10/10 | 10/10 | -0.005 [-0.005, -0.005] | 0.000 |
+Bar on seeds 0-9: met (baseline control normalized 1.00, mini-critics' control 1.10, tails 0.93-0.95).
 Fresh seeds 100-109 (nobody tuned on them):
 | method | failed (injected) | control failed | normalized return [95% CI] |
 |---|---|---|---|
-| baseline | 9/10 | 0/10 | 0.069 [-0.004, 0.215] |
-| mini-critics | 4/10 | 0/10 | 0.569 [0.272, 0.852] |
+| baseline | 9/10 | 0/10 | 0.084 [-0.004, 0.259] |
+| mini-critics | 3/10 | 0/10 | 0.680 [0.382, 0.931] |
 | frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.001, 0.001] |
-| no-update | 10/10 | 10/10 | -0.006 [-0.006, -0.006] |
-Mini-critics' tails on seeds 100-109: 0.00 0.00 0.85 0.86 0.00 0.00 0.89 0.91 0.84 0.90; the baseline's
-control tails 0.83-0.85 (control normalized 1.00), mini-critics' control 0.88-0.92.
+| no-update | 10/10 | 10/10 | -0.005 [-0.005, -0.005] |
+Mini-critics' tails on seeds 100-109: 0.95 0.00 0.95 0.97 0.00 0.00 0.96 0.96 0.96 0.96 (final per-step
+accuracy on the failed seeds 101, 104, 105: 0.46 0.67 0.51); the baseline's one success is seed 103 (0.93),
+its control tails 0.92-0.94.
 
-Why EXPERIMENTAL (version 2): on seeds 0-9 the task meets the bar (fix 2/10, its interval [0.50, 1.03] clear
-of the baseline's and both references'), but on the fresh seeds 100-109 the matched fix fails 4/10, over the
-bar's 20%, and the baseline fails only 9/10; the references are clean. Nothing was tuned on seeds 100-109.
-The fix's failures are one mechanism (above: early commitment to a wrong long answer); what was tried in
-this session is only the re-anchoring of the normalized return; not tried: a later onset or a longer run,
-so that the mini-critics see more long successes before the policy's entropy falls.
+Why EXPERIMENTAL (version 3): on seeds 0-9 the task meets the bar (fix 0/10, its interval [0.76, 0.98] clear
+of the baseline's and both references'), but on the fresh seeds 100-109 the matched fix still fails 3/10
+(version 2: 4/10), over the bar's 20%; the baseline (9/10), control (0/10) and references (10/10) checks
+hold there. The fix's failures are the one mechanism below (early commitment to a wrong long answer, per-step
+accuracy stuck at 0.46-0.67). Nothing was tuned on seeds 100-109. Not tried: a later onset (its run was
+stopped for time), a still longer run, the AsyPPO masking of tokens where the critics agree.
 
-Mechanism, as the calibration measured it (quick tier, seeds 0-4, version 1; version 2's seeds 0-9 agree).
+Mechanism, as the calibration measured it (quick tier, seeds 0-4, version 1, 40 iterations and lambda 0.5;
+version 2's seeds 0-9 agree; version 3's numbers are in the tables above).
 With b the batch-mean reward, every token
 of a SHORT success gets A = 1 - b, its 6 unscored tokens included: these pushes are large, frequent (SHORT
 success climbs to 0.90) and random with respect to the long chain, which shares those positions, while the
@@ -76,7 +90,9 @@ per-position centred) give the unscored tokens advantages near 0 and the long ch
 LONG success 0.90 0.91 0.78 0.91 0.00 (fails 1/5), control 0.88-0.90. Over seeds 0-9 (version 2) it fails 2/10
 (seeds 4 and 8): there the long chain's per-step accuracy stops at 0.4-0.6 while the entropy falls to
 0.17-0.38, so the policy commits to a wrong long answer before enough long successes arrive (on the other
-seeds per-step accuracy reaches 0.98-0.99). That is the fix's limit, measured, not tuned away.
+seeds per-step accuracy reaches 0.98-0.99). That is the fix's limit, measured, not tuned away. Version 3
+(lambda 0.8, 60 iterations) removes it on seeds 0-9 but not on seeds 100-109 (3 seeds, per-step accuracy
+0.46-0.67 at the end).
 
 Diagnostic, measured: the trace of the gradient covariance across the 2 minibatches (`grad_var`), median after
 onset 0.133 for the injected baseline against 0.0045 for its control (pre-onset 0.016) and 0.015 with
@@ -85,7 +101,10 @@ is the larger advantages of a 0/1 reward, which `grad_var_rel` factors out. The 
 `grad_var` above 0.1, chosen (version 2) ONLY on seeds 100-109, where any threshold between 0.080 and 0.20
 separates and version 1's 0.1 was kept: the baseline's pre-onset rows peak at 0.074 and its control rows at
 0.080, while every injected baseline run crosses 0.1 within 4 iterations of onset (its maximum over the first 8
-post-onset iterations is 0.20-1.04).
+post-onset iterations is 0.20-1.04). Version 3 re-checked it on its own seeds 100-109 runs (60 iterations),
+with the same numbers: pre-onset peak 0.074, control peak 0.080 over all 53 post-onset iterations, every
+injected baseline run above 0.1 within 0-4 iterations of onset (maximum over the first 8 post-onset
+iterations 0.20-1.04); post-onset medians 0.106 injected baseline, 0.0018 its control, 0.011 mini-critics.
 """
 
 from __future__ import annotations
@@ -211,11 +230,11 @@ class MissingCritic(Task):
 
     id = "missing-critic"
     family = "reasoning"
-    version = "2"
+    version = "3"  # 60 quick iterations (40 in version 2); mini-critics' lambda 0.8 (0.5)
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
-        "quick": Budget(iterations=40, onset=7, seeds=5),
+        "quick": Budget(iterations=60, onset=7, seeds=5),
         "full": Budget(iterations=100, onset=7, seeds=10),
     }
     ground_truth = GroundTruth(metric="gt_success", threshold=0.5, fails_when="below", reduce="tail_mean", tail=0.25)
@@ -226,8 +245,8 @@ class MissingCritic(Task):
     # Floor: the policy frozen at onset, its exact LONG success averaged over calibration seeds 0-9; ceiling:
     # the control's post-onset mean LONG success on the same seeds. Both measured once and fixed (docstring).
     return_floor = 0.0031
-    return_ceiling = 0.515
-    experimental = True  # the matched fix fails 4/10 on fresh seeds 100-109 (see the docstring)
+    return_ceiling = 0.666
+    experimental = True  # the matched fix fails 3/10 on fresh seeds 100-109 (see the docstring)
     knobs_type = Knobs
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> MissingCriticRun:
