@@ -214,8 +214,20 @@ def fig_pg_variance(table: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
-    rows = _need(table, "length-explosion", "length_mean", "gold_accuracy")
-    return _lines(rows, "length_mean", "mean answer length [tokens]", out, "06_length_accuracy")
+    """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = _need(table, "length-explosion", "length_mean", "gt_accuracy")
+    rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, (column, label) in zip(axes, [("length_mean", "mean answer length [tokens]"),
+                                          ("gt_accuracy", "exact gold accuracy")]):
+        sns.lineplot(rows, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=ax)
+        _onset(ax, rows)
+        ax.set_ylabel(label)
+    fig.suptitle("length-explosion, injected runs (mean, 95% CI over seeds)")
+    return _save(fig, out, "06_length_accuracy")
 
 
 def fig_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
