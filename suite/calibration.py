@@ -8,7 +8,9 @@ task:
   0.8: the injection breaks learning that the control really does;
 - matched fix: failure at most 20% and at least 60 points below the baseline's, and the lower end of its
   normalized-return interval above the upper ends of the baseline's and of both references' intervals.
-Each check is reported on its own, so a task that misses says where.
+Each check is reported on its own, so a task that misses says where. The failure-rate checks (`RATE_CHECKS`)
+are the ones a fresh-seed run must pass too: the return checks read a floor and a ceiling fixed on the
+calibration seeds, and on other seeds the policy at onset, and so what freezing it earns, differs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Bar:
 
 
 BAR = Bar()
+RATE_CHECKS = ("references fail", "baseline fails", "control healthy", "fix helps")
 
 
 def _finite(value: object) -> float:
@@ -49,11 +52,11 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
         base, fix = rows.get("baseline"), rows.get("matched-fix")
         refs = [rows[m] for m in REFERENCE_METHODS if m in rows]
         checks: dict[str, bool | None] = {}
-        checks["references fail"] = (
-            all(_finite(r["normalized_return"]) <= bar.reference_max_return
-                and r["failure_rate"] >= bar.reference_min_failure for r in refs)
-            if len(refs) == len(REFERENCE_METHODS) else None
-        )
+        complete = len(refs) == len(REFERENCE_METHODS)
+        checks["references fail"] = (all(r["failure_rate"] >= bar.reference_min_failure for r in refs)
+                                     if complete else None)
+        checks["references score low"] = (all(_finite(r["normalized_return"]) <= bar.reference_max_return
+                                              for r in refs) if complete else None)
         if base is None:
             checks.update({"baseline fails": None, "control healthy": None, "control learns": None})
         else:
@@ -80,6 +83,7 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
             "reference_return": max((_finite(r["normalized_return"]) for r in refs), default=math.nan),
             "checks": checks,
             "meets_bar": all(v is True for v in checks.values()),
+            "meets_rate_checks": all(checks[name] is True for name in RATE_CHECKS),
         })
     return out
 
@@ -87,7 +91,7 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
 def format_markdown(rows: list[dict]) -> str:
     """The verdicts as one Markdown table (a check that failed is named in the last column)."""
     lines = ["| task | baseline failed | control failed | control return | fix | fix failed | fix return | "
-             "references failed (min) | references return (max) | bar |", "|" + "---|" * 10]
+             "references failed (min) | references return (max) | bar | failure-rate checks |", "|" + "---|" * 11]
     for r in rows:
         missed = [name for name, ok in r["checks"].items() if ok is not True]
         verdict = "met" if r["meets_bar"] else "missed: " + ", ".join(
@@ -95,6 +99,6 @@ def format_markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['task']} | {r['baseline_failure']:.0%} | {r['control_failure']:.0%} | {r['control_return']:.2f} | "
             f"{r['fix'] or '-'} | {r['fix_failure']:.0%} | {r['fix_return']:.2f} | {r['reference_failure']:.0%} | "
-            f"{r['reference_return']:.2f} | {verdict} |"
+            f"{r['reference_return']:.2f} | {verdict} | {'met' if r['meets_rate_checks'] else 'missed'} |"
         )
     return "\n".join(lines) + "\n"

@@ -28,7 +28,8 @@ def test_a_task_that_clears_every_check_meets_the_bar():
 
 def test_each_check_can_fail_on_its_own():
     cases = {
-        "references fail": (3, dict(normalized_return=0.5, ci_high=0.6)),  # not learning nearly wins
+        "references fail": (3, dict(failure_rate=0.5)),
+        "references score low": (3, dict(normalized_return=0.5, ci_high=-0.06)),  # not learning nearly wins
         "baseline fails": (0, dict(failure_rate=0.7)),
         "control healthy": (0, dict(control_failure_rate=0.2)),
         "control learns": (0, dict(control_normalized_return=0.5)),
@@ -41,6 +42,16 @@ def test_each_check_can_fail_on_its_own():
         (v,) = verdicts(rows)
         assert v["checks"][check] is False and not v["meets_bar"], check
         assert all(ok for name, ok in v["checks"].items() if name != check), check
+
+
+def test_a_fresh_seed_run_is_judged_on_its_failure_rates():
+    rows = _good()
+    rows[0] = {**rows[0], "control_normalized_return": 0.79}  # fresh seeds: other onset policies, other floor
+    (v,) = verdicts(rows)
+    assert not v["meets_bar"] and v["meets_rate_checks"]
+    rows[1] = {**rows[1], "failure_rate": 0.3}
+    (v,) = verdicts(rows)
+    assert not v["meets_rate_checks"]
 
 
 def test_a_run_without_the_references_cannot_meet_the_bar():
