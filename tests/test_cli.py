@@ -30,6 +30,7 @@ def run_cli(capsys, *argv):
         (["run", "--tasks", f"{TOY}:ToyTask", "--address", "nonsense"], "must look like HOST:PORT"),
         (["run", "--seeds", "many"], "invalid int value: 'many'"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--seeds", "0"], "--seeds must be at least 1"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--seed-start", "-1"], "--seed-start must be at least 0"),
         (["score", "/no/such/dir"], "no metrics.parquet in /no/such/dir"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--cpus", "0"], "--cpus must be at least 1"),
