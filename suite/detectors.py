@@ -83,12 +83,13 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
     """A copy of a finished run's table with an `alarm/<name>` column per detector, replayed from its
     stored rows (an existing column of that name is replaced). Errors are one line for the user."""
     from suite import registry
+    from suite.scoring import task_of  # scoring (scipy) stays out of the trial's imports
 
     refs = list(refs)
     names = {}
     for ref in refs:
         name = registry.resolve_class("detector", ref).name
-        if name in ("oracle", "injection"):
+        if name in registry.SCORED_DETECTORS:
             raise StabenchError(f"{name!r} is computed from the ground truth at scoring time, not replayed")
         names[ref] = name
     out = table.copy()
@@ -99,9 +100,7 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
     position = pd.Series(np.arange(len(out)), index=out.index)
     for (task_id, cell, method, seed, variant), run in out.assign(_cell=cells).groupby(
             ["task", "_cell", *keys[1:]], sort=True):
-        ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
-        knobs = {c[len("knob_"):]: _plain(run[c].iloc[0]) for c in run.columns if c.startswith("knob_") and cell}
-        task = tasks.setdefault(f"{ref}|{cell}", registry.get_task(ref, **knobs))
+        task = task_of(run, cell, tasks)
         if "tier" not in run:
             raise StabenchError("the table has no `tier` column: is it the metrics.parquet of a `stabench run`?")
         budget = task.budget(str(run["tier"].iloc[0]))
@@ -118,11 +117,6 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
     for name, values in columns.items():
         out[f"alarm/{name}"] = values
     return out
-
-
-def _plain(value: object) -> object:
-    value = value.item() if hasattr(value, "item") else value
-    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _value(row: Mapping[str, float], metric: str) -> float:

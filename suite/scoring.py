@@ -96,6 +96,19 @@ def _plain(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def task_of(rows: pd.DataFrame, cell: str, cache: dict[str, Task] | None = None) -> Task:
+    """The task that made `rows` (rows of one task and grid cell), built with the cell's `knob_*` values."""
+    ref = rows["task_ref"].iloc[0] if "task_ref" in rows else rows["task"].iloc[0]
+    key = f"{ref}|{cell}"
+    if cache is not None and key in cache:
+        return cache[key]
+    knobs = {c[len("knob_"):]: _plain(rows[c].iloc[0]) for c in rows.columns if c.startswith("knob_") and cell}
+    task = registry.get_task(ref, **knobs)
+    if cache is not None:
+        cache[key] = task
+    return task
+
+
 def outcomes(table: pd.DataFrame) -> pd.DataFrame:
     """One row per (task, method, seed, variant): failed, post-onset return, normalized return."""
     rows = []
@@ -104,9 +117,7 @@ def outcomes(table: pd.DataFrame) -> pd.DataFrame:
     table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     keys = ["task", "cell", "method", "seed", "variant"]
     for (task_id, cell, method, seed, variant), run in table.groupby(keys, sort=True):
-        ref = run["task_ref"].iloc[0] if "task_ref" in run else task_id
-        knobs = {c[len("knob_"):]: _plain(run[c].iloc[0]) for c in run.columns if c.startswith("knob_") and cell}
-        task = tasks.setdefault(f"{ref}|{cell}", registry.get_task(ref, **knobs))
+        task = task_of(run, cell, tasks)
         run = run.sort_values("iteration")
         onset, iterations = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
         ret = post_onset_return(run, task, onset, iterations)
@@ -289,9 +300,7 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     rows = []
     for (name, cell), task_rows in table.groupby(["task", "cell"], sort=True):
         task_id = f"{name} [{cell}]" if cell else name
-        ref = task_rows["task_ref"].iloc[0] if "task_ref" in task_rows else name
-        knobs = {c[len("knob_"):]: _plain(task_rows[c].iloc[0]) for c in task_rows if c.startswith("knob_") and cell}
-        task = registry.get_task(ref, **knobs)
+        task = task_of(task_rows, cell)
         diagnostics = {d: _diagnostic_of(d, task) for d in scored}
         runs = {key: run.sort_values("iteration") for key, run in task_rows.groupby(["method", "seed", "variant"])}
         for (method, seed, variant), run in runs.items():

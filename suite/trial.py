@@ -146,9 +146,9 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
         if "diverged_at" not in frame:
             frame["diverged_at"] = np.nan
         frame["diverged_at"] = frame["diverged_at"].max()
+        key = detectors.run_key(task, cell_name(spec.knobs), spec.seed)
         for det_ref in spec.detectors:  # the same replay as `stabench score --detector` on stored rows
             name = registry.resolve_class("detector", det_ref).name
-            key = detectors.run_key(task, cell_name(spec.knobs), spec.seed)
             frame[f"alarm/{name}"] = detectors.replay(det_ref, task, budget, frame, key)
         frame["variant"] = variant
         frame["status"] = v_status
