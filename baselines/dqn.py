@@ -61,9 +61,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
-
-from suite.api import Diverged, Stabilizer, TrainState
 
 
 @dataclass

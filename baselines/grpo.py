@@ -22,14 +22,15 @@ One `iterate` call is one GRPO iteration:
    the sum is minimized: backward, `stabilizer.after_backward(policy)`, Adam step.
 `stabilizer.model` and `stabilizer.optimizer` are called once, when the trainer is built.
 
-The batch the hooks receive (tensors; [B] per answer, [B, L] per token; B = n_groups * group_size):
-  prompts [B, P], answers [B, L], mask [B, L] (1.0 on real answer tokens), rewards [B], group [B]
-  (group index), logp [B, L] (log pi of the sampled tokens: detached in `advantages`, carrying the
-  graph of the current update in `kl_loss` and `loss`), old_logp [B, L] (at sampling time),
-  ref_logp [B, L] (frozen reference), kl_coef (0-d tensor, beta). In `kl_loss` and `loss` the batch is
-  the minibatch being updated and also holds advantages [B, L] (after the stabilizer), token_weight
-  [B, L] (the aggregation weights: a stabilizer that rewrites the policy term aggregates it as
-  sum(per_token * token_weight), like the trainer) and clip_low, clip_high (0-d tensors).
+The batch the hooks receive follows `suite.api.BATCH_SCHEMA` ([B] per answer, [B, L] per token;
+B = n_groups * group_size): prompts [B, P], answers [B, L] (also as `actions`), mask [B, L] (1.0 on real answer tokens),
+rewards [B], group [B] (group index), logp [B, L] (log pi of the sampled tokens: detached in `advantages`,
+carrying the graph of the current update in `kl_loss` and `loss`), old_logp [B, L] (at sampling time),
+behaviour_logp [B, L] (the learner sampled: old_logp), ref_logp [B, L] (frozen reference), kl_coef (0-d
+tensor, beta). In `kl_loss` and `loss` the batch is the minibatch being updated and also holds advantages
+[B, L] (after the stabilizer), entropy [B, L] (per-token entropy with the graph), token_weight [B, L]
+(the aggregation weights: a stabilizer that rewrites the policy term aggregates it as
+sum(per_token * token_weight), like the trainer) and clip_low, clip_high (0-d tensors).
 The returned `TrainState.batch` holds the same keys, all detached; `extras` holds `entropy` (mean token
 entropy of the policy at sampling time), `full_vocab_kl` [B, L] (exact per-token KL(pi || ref) summed
 over the vocabulary at each sampled prefix), `advantages` [B, L] (after the stabilizer),
@@ -45,11 +46,10 @@ from typing import Literal
 
 import numpy as np
 import torch
+from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
+from stabench.suite.api import Diverged, Stabilizer, TrainState
+from stabench.suite.diagnostics import categorical_entropy, exact_kl
 from torch import nn
-
-from suite.api import Diverged, Stabilizer, TrainState
-from suite.diagnostics import categorical_entropy, exact_kl
-from tasks.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,10 @@ class GRPO:
         sampling_logits = logits.detach()  # the policy that sampled the batch: what the diagnostics describe
         group = torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size)
         batch = {
-            "prompts": prompts, "answers": answers, "mask": mask, "rewards": rewards, "group": group,
-            "logp": old_logp, "old_logp": old_logp, "ref_logp": ref_logp, "kl_coef": torch.tensor(cfg.beta), **extra,
+            "prompts": prompts, "answers": answers, "actions": answers, "mask": mask, "rewards": rewards,
+            "group": group,
+            "logp": old_logp, "old_logp": old_logp, "behaviour_logp": old_logp, "ref_logp": ref_logp,
+            "kl_coef": torch.tensor(cfg.beta), **extra,
         }  # fmt: skip
         adv = self.stabilizer.advantages(adv, batch).detach()
 
@@ -161,7 +163,7 @@ class GRPO:
                 if epoch > 0 or len(chunks) > 1:
                     logits = answer_logits(self.policy, mb["prompts"], mb["answers"], cfg.n_actions)
                     logp = torch.log_softmax(logits, -1).gather(-1, mb["answers"][..., None]).squeeze(-1)
-                mb["logp"] = logp
+                mb["logp"], mb["entropy"] = logp, categorical_entropy(logits)
                 ratio = torch.exp(logp - mb["old_logp"])
                 mb_adv = mb["advantages"]
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * mb_adv)

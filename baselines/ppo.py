@@ -10,32 +10,35 @@
    L = -min(r A, clip(r, 1-eps, 1+eps) A) + vf_coef * 0.5 (V - R)^2 - ent_coef * H.
 
 Stabilizer hooks are called in the order of `suite.api.Stabilizer`: `model` and `optimizer` once at
-construction; per minibatch `advantages` -> `loss` -> backward -> `after_backward` -> optimizer step.
-Gradient clipping is *not* part of the trainer (CleanRL clips at 0.5 by default; here that is the
-`grad-clip` stabilizer). A stabilizer may also define the PPO-only hook `rollout(batch, info) -> batch`,
-called once per iteration after GAE with the whole flattened rollout (t-major: row t * num_envs + e) and
-`info` = num_steps, num_envs, gamma, gae_lambda, next_value, next_done; it may replace `advantages` and
-`returns` (V-trace does).
+construction; per iteration `rollout` -> `advantages` (the whole rollout, before normalization); per
+minibatch `loss` -> backward -> `after_backward` -> optimizer step. Gradient clipping is *not* part of the
+trainer (CleanRL clips at 0.5 by default; here that is the `grad-clip` stabilizer). `rollout(batch, info)
+-> batch` is called once per iteration after GAE with the whole flattened rollout (t-major: row
+t * num_envs + e) and `info` = num_steps, num_envs, gamma, gae_lambda, next_value, next_done; it may
+replace `advantages` and `returns` (V-trace does).
 
-Each minibatch dict the `advantages` and `loss` hooks see holds the batch keys below for its rows; before
-`loss` the trainer adds `new_logprobs` (log pi_theta(a|s), with grad), `adv` (the advantages the policy
-term used: normalized, after the `advantages` hook) and `clip_coef` (a 0-d tensor).
+The batch follows `suite.api.BATCH_SCHEMA`, one action per environment step. The minibatch the `loss` hook
+sees holds the rollout keys below for its rows and, added by the trainer: `logp` (log pi_theta(a|s), with
+grad), `advantages` (replaced by what the policy term uses: normalized per minibatch), `entropy` (with
+grad), `new_values` (with grad), `mask` (ones), `token_weight` (1 / minibatch size: the trainer's means are
+sums with these weights) and `clip_low` = `clip_high` = clip_coef (0-d tensors).
 
 Lagged actors (asynchronous collection): with `actor_history = H > 0` the trainer keeps the learner's
 parameters of the last H updates, and with `actor_lag = k > 0` it collects the rollout with the parameters
 of k updates ago (the oldest kept, if fewer exist). `logprobs` are then the behaviour (actor) policy's
-stored log-probabilities, which the clipped ratio is formed against (classic asynchronous PPO), and one
-batched learner forward after the rollout gives `values` and `old_logprobs` (log pi_old, the learner at
-the start of the update). With no lag the actor is the learner: `old_logprobs` is `logprobs`.
+stored log-probabilities (`behaviour_logp`), which the clipped ratio is formed against (classic
+asynchronous PPO), and one batched learner forward after the rollout gives `values` and `old_logp` (log
+pi_old, the learner at the start of the update). With no lag the actor is the learner: `old_logp` is
+`behaviour_logp`.
 
 Randomness: action sampling and minibatch shuffles draw from one `numpy.random.Generator` held by the
 trainer, and the envs are seeded at construction, so a trainer's whole state lives in the object and
 `copy.deepcopy` branches it completely (the model is built by the caller, under its own torch seed).
 
 What `iterate()` returns (`suite.api.TrainState`):
-- `batch`: the iteration's rollout, flattened to (num_steps * num_envs, ...): obs, actions, logprobs,
-  values, advantages, returns, rewards (as the learner saw them, i.e. after any reward scaling), dones,
-  old_logprobs (see lagged actors);
+- `batch`: the iteration's rollout, flattened to (num_steps * num_envs, ...): obs, actions, behaviour_logp,
+  values, advantages (after the `advantages` hook, before normalization), returns, rewards (as the learner
+  saw them, i.e. after any reward scaling), dones, old_logp (see lagged actors);
 - `grads`: each parameter's gradient on the last minibatch, cloned right after backward, *before* the
   stabilizer's `after_backward` edits it and before the optimizer step (so a clipping stabilizer does
   not hide the raw gradient from the diagnostics);
@@ -60,9 +63,8 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
-
-from suite.api import Diverged, Stabilizer, TrainState
 
 
 @dataclass
@@ -208,19 +210,20 @@ class PPO:
         batch = {
             "obs": obs.reshape((self.batch_size,) + tuple(obs.shape[2:])),
             "actions": actions.reshape(-1),
-            "logprobs": logprobs.reshape(-1),
+            "behaviour_logp": logprobs.reshape(-1),
             "values": values.reshape(-1),
             "advantages": advantages.reshape(-1),
             "returns": returns.reshape(-1),
             "rewards": rewards.reshape(-1),
             "dones": dones.reshape(-1),
-            "old_logprobs": old_logprobs.reshape(-1),
+            "old_logp": old_logprobs.reshape(-1),
         }
         rollout_hook = getattr(self.stabilizer, "rollout", None)
         if rollout_hook is not None:
             info = {"num_steps": T, "num_envs": N, "gamma": cfg.gamma, "gae_lambda": cfg.gae_lambda,
                     "next_value": next_value, "next_done": self.next_done}
             batch = rollout_hook(batch, info)
+        batch["advantages"] = self.stabilizer.advantages(batch["advantages"], batch).detach()
         if self.held_obs is None:
             self.held_obs = batch["obs"].clone()
 
@@ -230,6 +233,8 @@ class PPO:
         ratio_max = 0.0
         n_updates = cfg.update_epochs * cfg.num_minibatches
         grads: dict[str, torch.Tensor] = {}
+        ones, weight = torch.ones(self.minibatch_size), torch.full((self.minibatch_size,), 1.0 / self.minibatch_size)
+        clip = torch.tensor(cfg.clip_coef)
         for epoch in range(cfg.update_epochs):
             perm = torch.as_tensor(self.rng.permutation(self.batch_size))
             for k in range(cfg.num_minibatches):
@@ -237,7 +242,7 @@ class PPO:
                 mb = {key: v[idx] for key, v in batch.items()}
                 logits, newvalue = model(mb["obs"])
                 newlogprob, entropy = categorical_logprob_entropy(logits, mb["actions"])
-                logratio = newlogprob - mb["logprobs"]
+                logratio = newlogprob - mb["behaviour_logp"]
                 ratio = logratio.exp()
                 with torch.no_grad():
                     approx_kl = ((ratio - 1) - logratio).mean()  # Schulman's k3 estimator
@@ -248,7 +253,6 @@ class PPO:
                 mb_adv = mb["advantages"]
                 if cfg.norm_adv:
                     mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                mb_adv = self.stabilizer.advantages(mb_adv, mb)
 
                 pg_loss = torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef)).mean()
                 if cfg.clip_vloss:
@@ -259,7 +263,8 @@ class PPO:
                 entropy_mean = entropy.mean()
 
                 terms = {"policy": pg_loss, "value": cfg.vf_coef * v_loss, "entropy": -cfg.ent_coef * entropy_mean}
-                mb.update(new_logprobs=newlogprob, adv=mb_adv, clip_coef=torch.tensor(cfg.clip_coef))
+                mb.update(logp=newlogprob, advantages=mb_adv, entropy=entropy, new_values=newvalue, mask=ones,
+                          token_weight=weight, clip_low=clip, clip_high=clip)
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):

@@ -29,15 +29,16 @@ trainer is built.
 `reset_critic(critic)` replaces the critic (a new, untrained value head) and its optimizer; `critic_age`
 counts the iterations since the critic was built or last replaced (0 during the first iteration after).
 
-The batch the hooks receive (tensors; [B] per answer, [B, L] per token): prompts [B, P], answers [B, L],
-mask [B, L], rewards [B], logp [B, L] (log pi of the sampled tokens: detached in `advantages`, carrying
-the graph of the current update in `loss`), old_logp [B, L], values [B, L] (critic at sampling time),
-value_targets [B, L] (G_t), returns [B, L] (the Monte-Carlo return-to-go gamma^(T-1-t) R_i), critic_age
-and critic_resets (0-d long tensors: iterations since the critic was built or replaced, and how many
-times it was replaced). In `loss` the batch is the minibatch being updated and also holds advantages
-[B, L] (after the stabilizer and the normalization), entropy [B, L] (per-token entropy carrying the
-graph), new_values [B, L] (carrying the critic's graph), token_weight [B, L] (mask / number of tokens: a
-rewritten term aggregates as sum(per_token * token_weight)) and clip_coef (0-d). The returned
+The batch the hooks receive follows `suite.api.BATCH_SCHEMA` ([B] per answer, [B, L] per token): prompts
+[B, P], answers [B, L] (also as `actions`), mask [B, L], rewards [B], logp [B, L] (log pi of the sampled tokens:
+detached in `advantages`, carrying the graph of the current update in `loss`), old_logp [B, L], behaviour_logp
+[B, L] (the learner sampled: old_logp), values [B, L] (critic at sampling time), returns [B, L] (the value
+targets G_t), and beyond the schema mc_returns [B, L] (the Monte-Carlo return-to-go gamma^(T-1-t) R_i),
+critic_age and critic_resets (0-d long tensors: iterations since the critic was built or replaced, and how
+many times it was replaced). In `loss` the batch is the minibatch being updated and also holds advantages [B,
+L] (after the stabilizer and the normalization), entropy [B, L] (per-token entropy carrying the graph),
+new_values [B, L] (carrying the critic's graph), token_weight [B, L] (mask / number of tokens: a rewritten
+term aggregates as sum(per_token * token_weight)) and clip_low = clip_high = clip_coef (0-d). The returned
 `TrainState.batch` holds the same keys, detached; `extras` holds `values` [B, L] (the critic's
 predictions before its update), `returns` [B, L] (the Monte-Carlo return-to-go: what a perfect critic
 predicts on average; the `value_fit` diagnostic compares the two), `advantages` [B, L] (GAE after the
@@ -51,11 +52,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
+from stabench.suite.api import Diverged, Stabilizer, TrainState
+from stabench.suite.diagnostics import categorical_entropy
 from torch import nn
-
-from suite.api import Diverged, Stabilizer, TrainState
-from suite.diagnostics import categorical_entropy
-from tasks.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,10 @@ class TokenPPO:
         steps_left = (mask.sum(1, keepdim=True) - 1 - torch.arange(mask.shape[1])).clamp_min(0)
         returns = rewards[:, None] * cfg.gamma**steps_left * mask
         batch = {
-            "prompts": prompts, "answers": answers, "mask": mask, "rewards": rewards, "logp": old_logp,
-            "old_logp": old_logp, "values": values, "value_targets": value_targets, "returns": returns,
+            "prompts": prompts, "answers": answers, "actions": answers, "mask": mask, "rewards": rewards,
+            "logp": old_logp,
+            "old_logp": old_logp, "behaviour_logp": old_logp, "values": values, "returns": value_targets,
+            "mc_returns": returns,
             "critic_age": torch.tensor(self.critic_age),
             "critic_resets": torch.tensor(self.critic_resets), **extra,
         }  # fmt: skip
@@ -203,7 +205,7 @@ class TokenPPO:
 
         # 4. Updates: `epochs` passes, each in `minibatches` steps over disjoint sets of answers.
         batch["advantages"] = adv
-        batch["clip_coef"] = torch.tensor(cfg.clip_coef)
+        batch["clip_low"] = batch["clip_high"] = torch.tensor(cfg.clip_coef)
         chunks = torch.arange(len(answers)).chunk(cfg.minibatches)
         for epoch in range(cfg.epochs):
             minibatch_grads = []
@@ -228,7 +230,7 @@ class TokenPPO:
                 mb["logp"], mb["entropy"], mb["new_values"] = logp, entropy, new_values
                 ratio = torch.exp(logp - mb["old_logp"])
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
-                value_tok = 0.5 * (new_values - mb["value_targets"]).pow(2)
+                value_tok = 0.5 * (new_values - mb["returns"]).pow(2)
                 terms = {
                     "policy": (policy_tok * mb_mask).sum() / n_tok,
                     "value": cfg.vf_coef * (value_tok * mb_mask).sum() / n_tok,

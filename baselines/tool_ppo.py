@@ -29,9 +29,10 @@ One `iterate(rare_prob)` call is one iteration:
    `stabilizer.loss(terms, minibatch)`; backward, `stabilizer.after_backward(policy)`, Adam step.
    No KL term, no entropy bonus.
 
-The minibatch the `loss` hook sees ([b, P] per token, [b] per episode): ctx, inputs, actions, mask,
-tool_mask (token written in a tool state), turn (turn id per token), rewards, group, behaviour_logp,
-old_logp, advantages, token_weight, logp (current, with grad), clip_low, clip_high (0-d).
+The minibatch the `loss` hook sees follows `suite.api.BATCH_SCHEMA` ([b, P] per token, [b] per episode):
+actions, mask, turn (turn id per token), rewards, group, behaviour_logp, old_logp, advantages,
+token_weight, logp and entropy (current, with grad), clip_low, clip_high (0-d); beyond the schema ctx,
+inputs and tool_mask (token written in a tool state).
 `TrainState.extras`: entropy (mean token entropy of the trainer's policy at sampling time), ratio [B, P]
 (exp(logp after the update - behaviour_logp): what `ratio_tails` reads), tool_mask [B, P], clip_frac,
 minibatch_grads, advantages.
@@ -44,11 +45,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from stabench.baselines.tokens import on_default_device
+from stabench.suite.api import Diverged, Stabilizer, TrainState
+from stabench.suite.diagnostics import categorical_entropy
 from torch import nn
-
-from suite.api import Diverged, Stabilizer, TrainState
-from suite.diagnostics import categorical_entropy
-from tasks.tokens import on_default_device
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,8 @@ class ToolPPO:
             for rows in chunks:
                 mb = {k: v[rows] if v.dim() > 0 else v for k, v in batch.items()}
                 mb["token_weight"] = mb["mask"] / mb["mask"].sum().clamp_min(1)
-                logp, _ = token_logp(self.policy, mb["inputs"], mb["actions"])
-                mb["logp"] = logp
+                logp, logits = token_logp(self.policy, mb["inputs"], mb["actions"])
+                mb["logp"], mb["entropy"] = logp, categorical_entropy(logits)
                 ratio = torch.exp(logp - mb["behaviour_logp"])
                 a = mb["advantages"]
                 policy_tok = torch.max(-a * ratio, -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))

@@ -35,11 +35,11 @@ UPDATE = N_ENVS * N_STEPS  # env steps per update
 
 def ours(diagnostics: bool) -> Callable[[int], None]:
     """Our PPO; the returned function runs that many updates (with the task's diagnostics, if asked)."""
-    from baselines.models import PlainMLP, make_spec
-    from baselines.ppo import PPO, PPOConfig
-    from suite.api import Stabilizer
-    from suite.diagnostics import DIAGNOSTICS
-    from tasks.grids import N_ACTIONS, make_vector_env
+    from stabench.baselines.models import PlainMLP, make_spec
+    from stabench.baselines.ppo import PPO, PPOConfig
+    from stabench.suite.api import Stabilizer
+    from stabench.suite.diagnostics import DIAGNOSTICS
+    from stabench.tasks.grids import N_ACTIONS, make_vector_env
 
     torch.manual_seed(0)
     envs = make_vector_env(ENV_ID, N_ENVS)
@@ -61,11 +61,10 @@ def ours(diagnostics: bool) -> Callable[[int], None]:
 def sb3() -> Callable[[int], None]:
     """Stable-Baselines3's PPO; the returned function continues `learn` for that many updates."""
     import gymnasium as gym
+    import stabench.tasks.grids  # noqa: F401  (registers the stabench/ worlds)
     from stable_baselines3 import PPO as SB3PPO
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
-
-    import tasks.grids  # noqa: F401  (registers the stabench/ worlds)
 
     class Trunk(BaseFeaturesExtractor):
         def __init__(self, space: gym.spaces.Box) -> None:

@@ -43,7 +43,7 @@ def watched(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, 
 
 
 def stabench(*args: str) -> list[str]:
-    return [sys.executable, "-m", "suite.cli", *args]
+    return [sys.executable, "-m", "stabench.suite.cli", *args]
 
 
 def scaling(repeats: int, extra: list[str]) -> None:
@@ -78,8 +78,8 @@ def quick() -> None:
 
 
 def trial() -> None:
-    from suite import registry
-    from suite.runner import TrialSpec, run_trial
+    from stabench.suite import registry
+    from stabench.suite.runner import TrialSpec, run_trial
 
     for name in registry.names("task"):
         start = time.perf_counter()

@@ -39,7 +39,7 @@ def _init(device: str) -> None:
 
 
 def _one(task: str, method: str, seed: int, tier: str) -> dict:
-    from suite.trial import TrialSpec, run_trial
+    from stabench.suite.trial import TrialSpec, run_trial
 
     start = time.perf_counter()
     table = run_trial(TrialSpec(task, method, seed, tier))
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", help="a CSV of per-trial rows")
     args = parser.parse_args()
 
-    from suite import registry
+    from stabench.suite import registry
 
     names = args.tasks.split(",") if args.tasks else [
         n for n in registry.names("task") if registry.get_task(n).family in ("reasoning", "tools")]

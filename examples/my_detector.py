@@ -9,7 +9,7 @@ for each run, reading the diagnostic the task pairs with detectors and the tier'
 import math
 import statistics
 
-from suite import Detector
+from stabench import Detector
 
 
 class JumpDetector(Detector):

@@ -1,10 +1,4 @@
-"""stabench: controlled experiments for reinforcement-learning training stability.
+"""The harness: the public contract (`api`), registries, runner (Ray Tune), diagnostics, detectors, scoring,
+leaderboard, paper and the `stabench` command. Users import `stabench`, which re-exports the public part."""
 
-The public API is small: `Task`, `Stabilizer`, `Detector` (from `suite.api`), the registries in
-`suite.registry`, and the `stabench` command (`suite.cli`).
-"""
-
-from suite.api import Budget, Detector, DetectorSpec, Diverged, GroundTruth, Stabilizer, Task, TrainState
-
-__version__ = "0.2.0"  # 0.2: tasks demand learning after onset, floors anchored on the frozen policy
-__all__ = ["Budget", "Detector", "DetectorSpec", "Diverged", "GroundTruth", "Stabilizer", "Task", "TrainState"]
+__version__ = "0.3.0"  # 0.3: one batch schema for every trainer, stabilizers by function, the method matrix

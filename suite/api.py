@@ -106,16 +106,73 @@ class Run(Protocol):
     def step(self, injected: bool) -> dict[str, float]: ...
 
 
+# The one batch schema of the policy-gradient trainers (`ppo`, `grpo`, `token-ppo`, `tool-ppo`). An "action"
+# is a token (token trainers: per-action tensors are [B, L]) or an environment step (PPO: [B]); per-answer or
+# per-episode tensors are [B]. Every trainer hands its hooks these keys where it has them (`TRAINER_KEYS`),
+# with these meanings, so a stabilizer written against the schema runs on every trainer that has what it reads.
+BATCH_SCHEMA: dict[str, str] = {
+    "logp": "log pi_theta(a) of each taken action; carries the graph of the current update in `kl_loss` and "
+            "`loss` (detached in `advantages`)",
+    "old_logp": "log pi_old(a): the learner's own log-prob at the start of the update (detached)",
+    "behaviour_logp": "log-prob under what really sampled the action: the inference sampler or the lagged "
+                      "actor; equals old_logp where the learner sampled (detached)",
+    "ref_logp": "log-prob under the frozen reference policy (trainers with a reference)",
+    "advantages": "per-action advantage; in `loss`, exactly what the trainer's policy term uses (after the "
+                  "`advantages` hook and any normalization)",
+    "entropy": "per-action entropy H(pi_theta(. | s)) carrying the graph (in `loss`)",
+    "mask": "1.0 on real actions, 0.0 on padding",
+    "token_weight": "aggregation weights: every term of the trainer is sum(per_action * token_weight)",
+    "clip_low": "0-d: the ratio's lower clip is 1 - clip_low",
+    "clip_high": "0-d: the ratio's upper clip is 1 + clip_high",
+    "rewards": "the reward the learner saw: per answer or episode [B] (token trainers), per step (PPO)",
+    "group": "[B] index of the prompt group an answer belongs to (group-relative trainers)",
+    "values": "V(s) of the critic at rollout (trainers with a critic)",
+    "returns": "value targets the critic regresses on (trainers with a critic)",
+    "new_values": "V(s) carrying the critic's graph (in `loss`, trainers with a critic)",
+    "kl_coef": "0-d: beta, the coefficient of the trainer's own KL term (trainers with a reference)",
+    "prompts": "[B, P] prompt tokens (token trainers with prompts)",
+    "answers": "[B, L] answer tokens (token trainers with prompts)",
+    "dones": "per step: 1.0 where the observation starts a new episode (PPO's GAE convention)",
+    "turn": "[B, L] turn index of each action (multi-turn trainers)",
+    "obs": "per step: the observation (PPO)",
+    "actions": "the taken actions",
+}
+# The policy term every trainer minimizes, per action: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
+# r = exp(logp - behaviour_logp), aggregated as sum(per_action * token_weight). A stabilizer that rewrites it
+# reads the same keys and aggregates the same way.
+_PG = frozenset({"logp", "old_logp", "behaviour_logp", "advantages", "entropy", "mask", "token_weight",
+                 "clip_low", "clip_high", "rewards", "actions"})
+TRAINER_KEYS: dict[str, frozenset[str]] = {
+    "ppo": _PG | {"values", "returns", "new_values", "dones", "obs"},
+    "grpo": _PG | {"ref_logp", "kl_coef", "group", "prompts", "answers"},
+    "token-ppo": _PG | {"values", "returns", "new_values", "prompts", "answers", "mc_returns", "critic_age",
+                        "critic_resets"},
+    "tool-ppo": _PG | {"group", "turn"},
+    # DQN's own subset (per update, `loss` only, terms {"td": ...}): obs, actions, rewards, next_obs,
+    # terminated, td_target, and ref_obs (an independent replay sample the TD loss never sees). No policy
+    # log-probs, no `advantages` or `kl_loss` hook.
+    "dqn": frozenset({"obs", "actions", "rewards", "next_obs", "terminated", "td_target", "ref_obs"}),
+}
+
+
 class Stabilizer:
     """A plugin that changes a trainer through named hook points. Every hook defaults to no change.
 
-    Trainers call the hooks in this order each iteration: `advantages` -> `kl_loss` (GRPO) ->
-    `loss` -> backward -> `after_backward` -> optimizer step. `model` and `optimizer` are called once
-    when a run is built. A hook receives the trainer's default value and returns what to use instead.
-    `trainers` names the trainers the stabilizer knows how to change (empty = all of them).
+    Hook order, the same in every trainer: `model` and `optimizer` once, when a run is built; then each
+    iteration `rollout` (trainers with step rollouts: PPO) -> `advantages` (once, on the whole batch) -> per
+    minibatch `kl_loss` (trainers with a reference KL term) -> `loss` -> backward -> `after_backward` ->
+    optimizer step. A hook receives the trainer's default value and returns what to use instead; the batch it
+    reads follows `BATCH_SCHEMA`. Diagnostics always see the raw gradients, taken before `after_backward`;
+    a gradient set to `None` in `after_backward` means "no update for that parameter", in every trainer.
+
+    Where a stabilizer applies: `needs` names the batch keys (or task capabilities, `Task.provides`) it reads,
+    and it runs on every task whose trainer and task provide them (`applies_to`). `trainers` narrows that by
+    hand only where a need is not a key (a stabilizer that rebuilds the network needs the trainer's model
+    kind). On a task where it does not apply, a method scores as the baseline (its runs are the baseline's).
     """
 
     name: ClassVar[str] = "baseline"
+    needs: ClassVar[frozenset[str]] = frozenset()
     trainers: ClassVar[frozenset[str]] = frozenset()
 
     def model(self, model: nn.Module, spec: Mapping[str, Any]) -> nn.Module:
@@ -129,7 +186,7 @@ class Stabilizer:
         return advantages
 
     def kl_loss(self, per_token_kl: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token KL regularizer that enters the loss (GRPO); the default is the trainer's own."""
+        """Per-action KL regularizer that enters the loss (trainers with a reference); default: the trainer's."""
         return per_token_kl
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,10 +194,18 @@ class Stabilizer:
         return terms
 
     def after_backward(self, model: nn.Module) -> None:
-        """Edit gradients in place (clipping, per-layer normalization)."""
+        """Edit gradients in place (clipping, per-layer normalization); `None` skips a parameter's update."""
 
-    def applies_to(self, trainer: str) -> bool:
-        return not self.trainers or trainer in self.trainers
+    def applies_to(self, task: Task) -> bool:
+        """True where the task's trainer and the task provide every key this stabilizer `needs`."""
+        if self.trainers and task.trainer not in self.trainers:
+            return False
+        return self.needs <= provided_keys(task)
+
+
+def provided_keys(task: Task) -> frozenset[str]:
+    """The batch keys and capabilities a task's runs offer a stabilizer: its trainer's schema and its own."""
+    return TRAINER_KEYS.get(task.trainer, frozenset()) | frozenset(getattr(task, "provides", ()))
 
 
 class Detector:
@@ -223,6 +288,9 @@ class Task:
     # expose the training reward it observes adds its own column (for example `reward_observed`).
     privileged: ClassVar[tuple[str, ...]] = ()
     experimental: ClassVar[bool] = False
+    # Batch keys and model capabilities this task adds to its trainer's schema (`Stabilizer.needs`): for
+    # example a reward-model ensemble's predictions, or a policy that can bound its context.
+    provides: ClassVar[frozenset[str]] = frozenset()
     # Optional: a dataclass of constructor knobs with a `check(horizon)` method raising StabenchError and an
     # optional `onset` field overriding the tiers' onsets (smoke excepted). The task then sets `self.knobs`.
     knobs_type: ClassVar[type | None] = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from suite.api import REFERENCE_METHODS
+from stabench.suite.api import REFERENCE_METHODS
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from suite.api import TIERS, StabenchError
+from stabench.suite.api import TIERS, StabenchError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -34,8 +34,8 @@ def _csv(value: str) -> tuple[str, ...]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from suite import registry
-    from suite.diagnostics import DIAGNOSTICS
+    from stabench.suite import registry
+    from stabench.suite.diagnostics import DIAGNOSTICS
 
     print("tasks:")
     for name in registry.names("task"):
@@ -46,11 +46,13 @@ def cmd_list(args: argparse.Namespace) -> int:
             f"  {name:<24} {task.family:<10} trainer={task.trainer:<9} fix={task.matched_fix:<22} "
             f"quick: {quick.iterations} it, onset {quick.onset}, {quick.seeds} seeds{flag}"
         )
-    print("stabilizers (methods):")
+    print("stabilizers (methods), and the tasks where each acts (elsewhere it scores as the baseline):")
+    tasks = {n: registry.get_task(n) for n in registry.names("task")}
     for name in registry.names("stabilizer"):
-        cls = registry.resolve_class("stabilizer", name)
-        trainers = ",".join(sorted(cls.trainers)) or "any"
-        print(f"  {name:<22} trainers={trainers}")
+        stabilizer = registry.resolve_class("stabilizer", name)()
+        acts = [n for n, t in tasks.items() if stabilizer.applies_to(t)]
+        where = "every task" if len(acts) == len(tasks) else ", ".join(acts) or "no registered task"
+        print(f"  {name:<22} {where}")
     print("detectors:")
     for name in registry.names("detector"):
         print(f"  {name}")
@@ -61,11 +63,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    print(run_sweep(args))
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> Path:
+    """The sweep `stabench run` asked for, run to the end; returns its folder."""
     if args.tier not in TIERS:
         raise StabenchError(f"unknown tier {args.tier!r}; choose from {', '.join(TIERS)}")
     if args.cpus is not None and args.cpus < 1:
         raise StabenchError(f"--cpus must be at least 1, got {args.cpus}")
-    from suite import registry, runner
+    from stabench.suite import registry, runner
 
     tasks = args.tasks or tuple(
         n for n in registry.names("task") if not registry.get_task(n).experimental
@@ -89,6 +97,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         stabilizers=tuple(map(refs, args.stabilizer or ())),
         detectors=(*registry.DEFAULT_DETECTORS, *map(refs, args.detector or ())),
         grid=args.grid,
+        matrix=args.matrix,
     )
     stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{stamp}"
@@ -96,8 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         runner.check_address(args.address)
     exp = runner.prepare(out, spec, args.resume)
     runner.execute(exp, address=args.address, num_cpus=args.cpus, resume=args.resume)
-    print(out)
-    return 0
+    return out
 
 
 def _load_tables(directories: list[str]):
@@ -117,8 +125,7 @@ def _load_tables(directories: list[str]):
 
 def _load_table(directory: str):
     import pandas as pd
-
-    from suite.runner import METRICS
+    from stabench.suite.runner import METRICS
 
     path = Path(directory) / METRICS
     if not path.is_file():
@@ -130,16 +137,16 @@ def _load_table(directory: str):
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from suite import scoring
+    from stabench.suite import scoring
 
     if args.calibration:  # the stabilizer track alone decides the bar
-        from suite import calibration
+        from stabench.suite import calibration
 
         print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_tables(args.dir)))))
         return 0
     table = _load_tables(args.dir)
     if args.detector:  # replay new detectors over the stored rows: no training
-        from suite import detectors, registry
+        from stabench.suite import detectors, registry
 
         table = detectors.replay_table(table, [registry.canonical(d) for d in args.detector])
     result = scoring.score(table)
@@ -153,7 +160,7 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from suite import leaderboard
+    from stabench.suite import leaderboard
 
     rows = leaderboard.submit(Path(args.dir), Path(args.leaderboard), args.method, args.detector)
     for row in rows:
@@ -164,7 +171,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from suite import leaderboard
+    from stabench.suite import leaderboard
 
     rows = leaderboard.read(Path(args.leaderboard))
     problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector)
@@ -176,8 +183,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
     import pandas as pd
-
-    from suite import leaderboard
+    from stabench.suite import leaderboard
 
     rows = leaderboard.read(Path(args.leaderboard))
     if not rows:
@@ -190,11 +196,11 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 
 
 def cmd_paper(args: argparse.Namespace) -> int:
-    from suite import paper
+    from stabench.suite import paper
 
     dirs = [Path(d) for d in args.dirs] or [d for d in paper.DEFAULT_RESULTS if d.exists()]
     if args.rerun:
-        from suite import registry, runner
+        from stabench.suite import registry, runner
 
         tasks = tuple(n for n in registry.names("task") if not registry.get_task(n).experimental)
         stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
@@ -228,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all)")
     p.add_argument("--resume", action="store_true", help="continue the experiment already in --out")
     p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
+    p.add_argument("--matrix", action="store_true",
+                   help="every registered stabilizer on every task (where one does not act, it scores as the baseline)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("score", help="score a finished run folder (or several, as one table)")

@@ -27,8 +27,7 @@ from typing import ClassVar
 
 import numpy as np
 import pandas as pd
-
-from suite.api import Budget, Detector, StabenchError, Task, ThresholdDetector
+from stabench.suite.api import Budget, Detector, StabenchError, Task, ThresholdDetector
 
 # Columns the harness adds to a run's rows (who, where, what happened): never a detector's input.
 BOOKKEEPING = frozenset({
@@ -70,7 +69,7 @@ def run_key(task: Task, cell: str, seed: int) -> str:
 
 def replay(ref: str, task: Task, budget: Budget, run: pd.DataFrame, key: str) -> np.ndarray:
     """The alarms (one bool per row, in the rows' order) of a fresh detector fed one run's visible rows."""
-    from suite import registry
+    from stabench.suite import registry
 
     detector = registry.make_detector(ref, task, budget)
     if hasattr(detector, "reseed"):
@@ -82,8 +81,8 @@ def replay(ref: str, task: Task, budget: Budget, run: pd.DataFrame, key: str) ->
 def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
     """A copy of a finished run's table with an `alarm/<name>` column per detector, replayed from its
     stored rows (an existing column of that name is replaced). Errors are one line for the user."""
-    from suite import registry
-    from suite.scoring import task_of  # scoring (scipy) stays out of the trial's imports
+    from stabench.suite import registry
+    from stabench.suite.scoring import task_of  # scoring (scipy) stays out of the trial's imports
 
     refs = list(refs)
     names = {}

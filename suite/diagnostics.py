@@ -17,9 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import torch
+from stabench.suite.api import TrainState
 from torch import nn
-
-from suite.api import TrainState
 
 Diagnostic = Callable[[TrainState], dict[str, float]]
 

@@ -4,7 +4,11 @@ A row names its track (`stabilizer` or `detector`), the method or detector and i
 the suite and library versions, the git commit of the suite, the date, the number of seeds, the per-task
 scores, and the aggregate with its 95% interval:
 - stabilizer track: per task the mean normalized return after onset; aggregate the interquartile mean
-  over all (task, seed) runs with a stratified bootstrap interval (`suite.scoring.aggregate`);
+  over all (task, seed) runs with a stratified bootstrap interval, and the probability of improvement over
+  the baseline with its interval (`suite.scoring.aggregate`). Methods are ranked only on the common task set
+  (every task the baseline ran on): where a method does not change a task's trainer its runs are the
+  baseline's (`acts_on` lists the tasks where it really acts); a method that lacks runs on some of the set
+  is shown unranked, since its aggregate would compare tasks rather than methods;
 - detector track: per task the detector skill score (`suite.scoring`: 100 oracle, about 0 for any
   detector blind to the outcome, unclipped); aggregate the mean over tasks, with a stratified bootstrap
   interval that resamples seeds within each (task, method). Detector rows are computed on the committed
@@ -34,15 +38,16 @@ from pathlib import Path
 
 import pandas as pd
 from filelock import FileLock
-
-from suite import registry, scoring
-from suite.api import StabenchError
+from stabench.suite import registry, scoring
+from stabench.suite.api import StabenchError
 
 COLUMNS = [
     "track", "name", "version", "tier", "suite_version", "libraries", "git_commit", "date", "n_seeds",
-    "per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "results_digest", "row_digest",
+    "per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "ranked", "acts_on", "poi", "poi_ci_low",
+    "poi_ci_high", "results_digest", "row_digest",
 ]
-SCORE_FIELDS = ("per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "n_seeds")
+SCORE_FIELDS = ("per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "n_seeds", "ranked", "acts_on",
+                "poi", "poi_ci_low", "poi_ci_high")
 DEFAULT_PATH = Path("results/leaderboard.csv")
 
 
@@ -76,7 +81,7 @@ def _git_commit() -> str:
 
 def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
     """The table, manifest and trial list of a finished run folder, or one clear error."""
-    from suite.runner import MANIFEST, METRICS, TRIALS
+    from stabench.suite.runner import MANIFEST, METRICS, TRIALS
 
     paths = [directory / METRICS, directory / MANIFEST, directory / TRIALS]
     for path in paths:
@@ -90,14 +95,13 @@ def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
 
 def validate_run(table: pd.DataFrame, manifest: dict, trials: pd.DataFrame) -> None:
     """Refuse a run that is not a complete, current, honestly recorded grid for its tier."""
-    from suite.runner import SUITE_VERSION
+    from stabench.suite.runner import SUITE_VERSION
 
     if manifest.get("suite_version") != SUITE_VERSION or set(table["suite_version"]) != {SUITE_VERSION}:
         raise StabenchError(
             f"the run was made by suite version {manifest.get('suite_version')}, this is {SUITE_VERSION}: rerun it"
         )
-    bad = trials[trials["status"] != "ok"]
-    bad = bad[bad["status"] != "diverged"]
+    bad = trials[~trials["status"].isin(["ok", "diverged", "identity"])]  # identity: the baseline's runs
     if len(bad):
         first = bad.iloc[0]
         raise StabenchError(
@@ -179,9 +183,13 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True),
                      "control_per_task": json.dumps(control, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
-                     "ci_low": _fmt(agg["ci_low"]), "ci_high": _fmt(agg["ci_high"])})
+                     "ci_low": _fmt(agg["ci_low"]), "ci_high": _fmt(agg["ci_high"]),
+                     "ranked": "yes" if agg["ranked"] else "no", "acts_on": json.dumps(agg["acts_on"]),
+                     "poi": _fmt(agg.get("probability_of_improvement", math.nan)),
+                     "poi_ci_low": _fmt(agg.get("poi_ci_low", math.nan)),
+                     "poi_ci_high": _fmt(agg.get("poi_ci_high", math.nan))})
     if replays:  # detectors the run did not record: replayed over its stored rows (the digest stays the run's)
-        from suite import detectors as library
+        from stabench.suite import detectors as library
 
         table = library.replay_table(table, replays)
     keep = [c for c in table.columns if not c.startswith("alarm/") or c.split("/", 1)[1] in names]
@@ -197,7 +205,8 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
                      "aggregate": _fmt(value),
-                     "ci_low": _fmt(low), "ci_high": _fmt(high)})
+                     "ci_low": _fmt(low), "ci_high": _fmt(high), "ranked": "yes", "acts_on": "[]",
+                     "poi": "nan", "poi_ci_low": "nan", "poi_ci_high": "nan"})
     for row in rows:
         row["row_digest"] = row_digest(row)
     return rows
@@ -296,8 +305,9 @@ def render_markdown(rows: list[dict], path: Path) -> None:
     lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", ""]
     for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
                                ("detector", "Detector track", "mean detector skill score (100 = oracle, 0 = chance)")):
-        mine = sorted((r for r in rows if r["track"] == track), key=lambda r: -float(r["aggregate"])
-                      if r["aggregate"] != "nan" else math.inf)
+        mine = sorted((r for r in rows if r["track"] == track),
+                      key=lambda r: (r.get("ranked", "yes") != "yes",
+                                     -float(r["aggregate"]) if r["aggregate"] != "nan" else math.inf))
         if not mine:
             continue
         tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
@@ -308,14 +318,26 @@ def render_markdown(rows: list[dict], path: Path) -> None:
                       "`results/quick`, so every detector is scored on the very same runs.", ""]
         if track == "stabilizer":
             lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
-                      "method's cost on healthy training).", ""]
-        lines.append("| name | version | tier | seeds | aggregate [95% CI] | " + " | ".join(tasks) + " | date |")
-        lines.append("|---" * (6 + len(tasks)) + "|")
+                      "method's cost on healthy training); `=` marks a task where the method does not change the "
+                      "trainer, so its runs there are the baseline's. Ranked only on the common task set; P(improve) "
+                      "is the probability that a run with the method beats a baseline run on the same task.", ""]
+        extra = " P(improve) [95% CI] | ranked |" if track == "stabilizer" else ""
+        lines.append("| name | version | tier | seeds | aggregate [95% CI] |" + extra + " " + " | ".join(tasks)
+                     + " | date |")
+        lines.append("|---" * (6 + len(tasks) + (2 if extra else 0)) + "|")
         for r in mine:
             per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
+            acts = json.loads(r.get("acts_on") or "[]")
             cells = [("-" if per.get(t) is None else f"{per[t]:.3g}")
-                     + (f" ({healthy[t]:.3g})" if healthy.get(t) is not None else "") for t in tasks]
+                     + (f" ({healthy[t]:.3g})" if healthy.get(t) is not None else "")
+                     + (" =" if track == "stabilizer" and t in per and t not in acts and r["name"] != "baseline"
+                        else "")
+                     for t in tasks]
             agg = f"{float(r['aggregate']):.3g} [{float(r['ci_low']):.3g}, {float(r['ci_high']):.3g}]"
+            if extra:
+                poi = (f"{float(r['poi']):.2f} [{float(r['poi_ci_low']):.2f}, {float(r['poi_ci_high']):.2f}]"
+                       if r.get("poi", "nan") != "nan" else "-")
+                agg += f" | {poi} | {r.get('ranked', 'yes')}"
             lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
                          + " | ".join(cells) + f" | {r['date'][:10]} |")
         lines.append("")

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from stabench.suite.api import Stabilizer
 from torch import nn
-
-from suite.api import Stabilizer
 
 
 def drop_gradients(model: nn.Module) -> None:

@@ -15,67 +15,62 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from suite.api import Budget, Detector, StabenchError, Stabilizer, Task
+from stabench.suite.api import Budget, Detector, StabenchError, Stabilizer, Task
 
 BUILTIN_TASKS: dict[str, str] = {
-    "dead-layers": "tasks.dead_layers:DeadLayers",
-    "kl-estimator-bias": "tasks.kl_estimator_bias:KLEstimatorBias",
-    "parallel-staleness": "tasks.parallel_staleness:ParallelStaleness",
-    "representation-collapse": "tasks.representation_collapse:RepresentationCollapse",
-    "policy-churn": "tasks.policy_churn:PolicyChurn",
-    "missing-critic": "tasks.missing_critic:MissingCritic",
-    "value-cold-start": "tasks.value_cold_start:ValueColdStart",
-    "reward-hacking": "tasks.reward_hacking:RewardHacking",
-    "entropy-collapse": "tasks.entropy_collapse:EntropyCollapse",
-    "rare-tool-states": "tasks.rare_tool_states:RareToolStates",
-    "length-explosion": "tasks.length_explosion:LengthExplosion",
+    "dead-layers": "stabench.tasks.dead_layers:DeadLayers",
+    "kl-estimator-bias": "stabench.tasks.kl_estimator_bias:KLEstimatorBias",
+    "parallel-staleness": "stabench.tasks.parallel_staleness:ParallelStaleness",
+    "representation-collapse": "stabench.tasks.representation_collapse:RepresentationCollapse",
+    "policy-churn": "stabench.tasks.policy_churn:PolicyChurn",
+    "missing-critic": "stabench.tasks.missing_critic:MissingCritic",
+    "value-cold-start": "stabench.tasks.value_cold_start:ValueColdStart",
+    "reward-hacking": "stabench.tasks.reward_hacking:RewardHacking",
+    "entropy-collapse": "stabench.tasks.entropy_collapse:EntropyCollapse",
+    "rare-tool-states": "stabench.tasks.rare_tool_states:RareToolStates",
+    "length-explosion": "stabench.tasks.length_explosion:LengthExplosion",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
-    "baseline": "suite.api:Stabilizer",
-    "no-update": "suite.references:NoUpdate",
-    "frozen-at-onset": "suite.references:FrozenAtOnset",
-    "multiskip-residual": "baselines.stabilizers.multiskip_residual:MultiSkipResidual",
-    "grad-clip": "baselines.stabilizers.grad_clip:GradClip",
-    "kl-max": "baselines.stabilizers.kl_estimators:KLMaxInLoss",
-    "kl-k2": "baselines.stabilizers.kl_estimators:KLk2InLoss",
-    "kl-k1-reward": "baselines.stabilizers.kl_estimators:KLk1InReward",
-    "decoupled-ppo": "baselines.stabilizers.staleness:DecoupledPPO",
-    "vtrace": "baselines.stabilizers.staleness:VTrace",
-    "dual-clip": "baselines.stabilizers.staleness:DualClip",
-    "isotropic-gaussian": "baselines.stabilizers.isotropic:IsotropicGaussian",
-    "entropy-bonus": "baselines.stabilizers.isotropic:EntropyBonus",
-    "chain": "baselines.stabilizers.chain:Chain",
-    "mini-critics": "baselines.stabilizers.mini_critics:MiniCritics",
-    "grpo-entropy-bonus-low": "baselines.stabilizers.mini_critics:LowEntropyBonus",
-    "critic-warmup": "baselines.stabilizers.critic_warmup:CriticWarmup",
-    "ppo-critic-entropy-bonus": "baselines.stabilizers.critic_warmup:PPOEntropyBonus",
-    "conservative-ensemble": "baselines.stabilizers.reward_ensemble:ConservativeEnsemble",
-    "kl-k2-anchor": "baselines.stabilizers.reward_ensemble:KLAnchor",
-    "clip-higher": "baselines.stabilizers.clip_higher:ClipHigher",
-    "grpo-entropy-bonus": "baselines.stabilizers.clip_higher:GRPOEntropyBonus",
-    "grpo-kl-anchor": "baselines.stabilizers.clip_higher:GRPOKLAnchor",
-    "turn-is": "baselines.stabilizers.turn_level_is:TurnLevelIS",
-    "token-tis": "baselines.stabilizers.turn_level_is:TokenTIS",
-    "tool-dual-clip": "baselines.stabilizers.turn_level_is:ToolDualClip",
-    "constant-norm": "baselines.stabilizers.length:ConstantNorm",
-    "dr-grpo": "baselines.stabilizers.length:DrGRPO",
-    "markovian-chunks": "baselines.stabilizers.length:MarkovianChunks",
-    "token-entropy-bonus": "baselines.stabilizers.length:TokenEntropyBonus",
+    "baseline": "stabench.suite.api:Stabilizer",
+    "no-update": "stabench.suite.references:NoUpdate",
+    "frozen-at-onset": "stabench.suite.references:FrozenAtOnset",
+    "entropy-bonus": "stabench.baselines.stabilizers.entropy:EntropyBonus",
+    "entropy-bonus-low": "stabench.baselines.stabilizers.entropy:EntropyBonusLow",
+    "kl-anchor": "stabench.baselines.stabilizers.kl:KLAnchor",
+    "kl-k2-anchor": "stabench.baselines.stabilizers.kl:KLk2Anchor",
+    "kl-k2": "stabench.baselines.stabilizers.kl:KLk2InLoss",
+    "kl-max": "stabench.baselines.stabilizers.kl:KLMaxInLoss",
+    "kl-k1-reward": "stabench.baselines.stabilizers.kl:KLk1InReward",
+    "clip-higher": "stabench.baselines.stabilizers.clipping:ClipHigher",
+    "dual-clip": "stabench.baselines.stabilizers.clipping:DualClip",
+    "grad-clip": "stabench.baselines.stabilizers.clipping:GradClip",
+    "token-tis": "stabench.baselines.stabilizers.importance:TokenTIS",
+    "turn-is": "stabench.baselines.stabilizers.importance:TurnLevelIS",
+    "vtrace": "stabench.baselines.stabilizers.importance:VTrace",
+    "constant-norm": "stabench.baselines.stabilizers.aggregation:ConstantNorm",
+    "dr-grpo": "stabench.baselines.stabilizers.aggregation:DrGRPO",
+    "multiskip-residual": "stabench.baselines.stabilizers.architecture:MultiSkipResidual",
+    "markovian-chunks": "stabench.baselines.stabilizers.architecture:MarkovianChunks",
+    "mini-critics": "stabench.baselines.stabilizers.critics:MiniCritics",
+    "critic-warmup": "stabench.baselines.stabilizers.critics:CriticWarmup",
+    "chain": "stabench.baselines.stabilizers.critics:Chain",
+    "isotropic-gaussian": "stabench.baselines.stabilizers.representation:IsotropicGaussian",
+    "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {
-    "threshold": "suite.api:ThresholdDetector",
-    "calibrated-threshold": "suite.detectors:CalibratedThreshold",
-    "cusum": "suite.detectors:Cusum",
-    "page-hinkley": "suite.detectors:PageHinkley",
-    "never": "suite.detectors:Never",
-    "always": "suite.detectors:Always",
-    "random-1": "suite.detectors:RandomAlarm1",
-    "random": "suite.detectors:RandomAlarm",
-    "random-20": "suite.detectors:RandomAlarm20",
-    "oracle": "suite.detectors:Oracle",
-    "injection": "suite.detectors:Injection",
+    "threshold": "stabench.suite.api:ThresholdDetector",
+    "calibrated-threshold": "stabench.suite.detectors:CalibratedThreshold",
+    "cusum": "stabench.suite.detectors:Cusum",
+    "page-hinkley": "stabench.suite.detectors:PageHinkley",
+    "never": "stabench.suite.detectors:Never",
+    "always": "stabench.suite.detectors:Always",
+    "random-1": "stabench.suite.detectors:RandomAlarm1",
+    "random": "stabench.suite.detectors:RandomAlarm",
+    "random-20": "stabench.suite.detectors:RandomAlarm20",
+    "oracle": "stabench.suite.detectors:Oracle",
+    "injection": "stabench.suite.detectors:Injection",
 }
 # Detectors scored from the run's metadata at scoring time (the ground truth, the injection), not from rows.
 SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection")
@@ -194,6 +189,7 @@ class Guarded(Stabilizer):
     def __init__(self, inner: Stabilizer) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]
+        self.needs = inner.needs  # type: ignore[misc]
         self.trainers = inner.trainers  # type: ignore[misc]
 
     def _call(self, hook: str, *args: Any) -> Any:
@@ -252,8 +248,8 @@ class Guarded(Stabilizer):
     def after_backward(self, model: Any) -> None:
         self._call("after_backward", model)
 
-    def applies_to(self, trainer: str) -> bool:
-        return self.inner.applies_to(trainer)
+    def applies_to(self, task: Task) -> bool:
+        return self.inner.applies_to(task)
 
     def __getattr__(self, attribute: str) -> Any:
         """Anything else a trainer reads of its stabilizer comes from the plugin itself."""

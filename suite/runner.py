@@ -32,10 +32,9 @@ if "RAY_AUTH_MODE" not in os.environ and (
 ):
     os.environ["RAY_AUTH_MODE"] = "token"  # Ray reads this at import; a client never switches it on itself
 from ray import tune  # noqa: E402  (after the environment Ray reads at import)
-
-from suite import registry  # noqa: E402
-from suite.api import REFERENCE_METHODS, StabenchError  # noqa: E402
-from suite.trial import SUITE_VERSION, TrialSpec, cell_name, digest, run_trial  # noqa: E402, F401  (the public names)
+from stabench.suite import registry  # noqa: E402
+from stabench.suite.api import REFERENCE_METHODS, StabenchError  # noqa: E402
+from stabench.suite.trial import SUITE_VERSION, TrialSpec, cell_name, digest, run_trial  # noqa: E402, F401  (the public names)
 
 LIBRARIES = ("torch", "gymnasium", "minigrid", "transformers", "ray", "numpy", "pandas", "scipy")
 TUNE_DIR = "tune"
@@ -66,13 +65,26 @@ class ExperimentSpec:
     stabilizers: tuple[str, ...] = ()  # plugin references added to every task they apply to
     detectors: tuple[str, ...] = registry.DEFAULT_DETECTORS
     grid: str | None = None  # a named sweep of task knobs (for example "staleness"), through Tune's grid
+    matrix: bool = False  # every registered stabilizer on every task (methods then must be None)
 
     def config_hash(self) -> str:
         return digest(asdict(self))
 
     def trials(self) -> list[TrialSpec]:
         """Validate every name and build the grid; raises StabenchError before anything runs."""
+        return self.plan()[0]
+
+    def identities(self) -> list[tuple[str, str, str]]:
+        """(task, cell, method) of every requested method that does not change the task's trainer: its runs
+        there are the baseline's (`collect` records them as copies with `acts` False)."""
+        return self.plan()[1]
+
+    def plan(self) -> tuple[list[TrialSpec], list[tuple[str, str, str]]]:
+        if self.matrix and self.methods is not None:
+            raise StabenchError("--matrix runs every registered stabilizer: leave out --methods")
         out: list[TrialSpec] = []
+        identity: list[tuple[str, str, str]] = []
+        everything = tuple(registry.names("stabilizer")) if self.matrix else None
         gridded = False
         for name in self.tasks:
             task = registry.get_task(name)
@@ -88,20 +100,26 @@ class ExperimentSpec:
                     registry.get_task(name, **cell)  # a bad cell fails here, before anything runs
             budget = task.budget(self.tier)
             # a default sweep runs each task's own methods and the references that anchor the floor
-            own = self.methods if self.methods is not None else (*task.methods, *REFERENCE_METHODS)
-            methods = list(dict.fromkeys(own)) + list(self.stabilizers)
-            usable = []
+            own = everything or (self.methods if self.methods is not None else (*task.methods, *REFERENCE_METHODS))
+            methods = list(dict.fromkeys([*own, *self.stabilizers]))
+            usable, idle = [], []
             for method in methods:
                 registry.method_name(method)  # a plugin's recorded name must be its own
                 stabilizer = registry.make_stabilizer(method)
-                if stabilizer.applies_to(task.trainer):
+                if stabilizer.applies_to(task):
                     usable.append(method)
                 elif self.methods is not None and method in self.methods and len(self.tasks) == 1:
                     raise StabenchError(
-                        f"method {method!r} does not apply to task {name!r} (trainer {task.trainer})"
+                        f"method {method!r} does not apply to task {name!r} (trainer {task.trainer}; it needs "
+                        f"{', '.join(sorted(stabilizer.needs))})"
                     )
+                else:
+                    idle.append(method)
             if not usable:
                 raise StabenchError(f"no requested method applies to task {name!r} (trainer {task.trainer})")
+            if idle and "baseline" not in usable:  # a method that does not act there scores as the baseline
+                usable.insert(0, "baseline")
+            identity += [(name, cell_name(tuple(sorted(cell.items()))), m) for cell in cells for m in idle]
             seeds = self.seeds if self.seeds is not None else budget.seeds
             if seeds < 1:
                 raise StabenchError(f"--seeds must be at least 1, got {seeds}")
@@ -113,7 +131,7 @@ class ExperimentSpec:
             raise StabenchError(f"no requested task has a grid named {self.grid!r}")
         for det in self.detectors:
             registry.resolve_class("detector", det)
-        return out
+        return out, identity
 
 
 def _tune_trainable(config: dict) -> None:
@@ -249,6 +267,7 @@ class Experiment:
     out: Path
     spec: ExperimentSpec
     trials: list[TrialSpec] = field(default_factory=list)
+    identities: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def manifest(self) -> dict:
@@ -258,12 +277,13 @@ class Experiment:
             "config_hash": self.spec.config_hash(),
             "libraries": library_versions(),
             "trials": len(self.trials),
+            "identities": [list(i) for i in self.identities],
         }
 
 
 def prepare(out: Path, spec: ExperimentSpec, resume: bool) -> Experiment:
     """Check the output folder against the request; writes nothing."""
-    exp = Experiment(out, spec, spec.trials())
+    exp = Experiment(out, spec, *spec.plan())
     manifest_path = out / MANIFEST
     if resume:
         if not manifest_path.is_file():
@@ -316,10 +336,10 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                 ),
             )
         results = tuner.fit()
-    table, trials = collect(results, exp.trials, progress.retries)
+    table, trials = collect(results, exp.trials, progress.retries, exp.identities)
     write_atomic(table, exp.out / METRICS)
     trials.to_csv(exp.out / TRIALS, index=False)
-    bad = trials[trials["status"] != "ok"]
+    bad = trials[~trials["status"].isin(["ok", "identity"])]
     print(
         f"stabench: {len(trials)} trials in {time.time() - started:.0f} s; {len(bad)} not ok; "
         f"{len(table)} rows -> {exp.out / METRICS}",
@@ -329,10 +349,12 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
 
 
 def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | None = None,
-            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+            identities: list[tuple[str, str, str]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Join the trials' rows; a trial Ray could not finish is listed with status `error`, never dropped.
 
     `retries` counts, per trial, how often Tune restarted it after its worker failed (this session).
+    `identities` are (task, cell, method) where the method does not change the task's trainer: their rows
+    are copies of the baseline's, marked `acts` False (real runs carry `acts` True).
     """
     frames, status = [], {}
     for result in results:
@@ -355,9 +377,21 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
                      "seconds": secs, "retries": (retries or {}).get(spec.key, 0)})
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
+        table["acts"] = True
+        copies = []
+        for task_ref, cell, method_ref in identities or ():
+            base = table[(table["task_ref"] == task_ref) & (table["cell"] == cell) & (table["method"] == "baseline")]
+            name = registry.method_name(method_ref)
+            knobs = next((t.knobs for t in expected if t.task == task_ref and cell_name(t.knobs) == cell), ())
+            task = registry.get_task(task_ref, **dict(knobs))
+            copies.append(base.assign(method=name, method_ref=method_ref, role=task.role(name), acts=False))
+            rows += [{"task": task_ref, "method": method_ref, "seed": int(seed), "tier": base["tier"].iloc[0],
+                      "knobs": cell, "status": "identity", "error": "", "seconds": 0.0, "retries": 0}
+                     for seed in sorted(base["seed"].unique())]
+        table = pd.concat([table, *copies], ignore_index=True)
         table = table.sort_values(["task", "cell", "method", "seed", "variant", "iteration"], kind="stable")
         # a canonical column order, whatever order Tune returns trials in (a resumed sweep included)
-        first = ["task", "method", "role", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
+        first = ["task", "method", "role", "acts", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
         last = ["status", "error", "diverged_at", "task_ref", "cell", "task_version", "family", "method_ref", "tier",
                 "onset_iteration", "iterations", "suite_version", "config_hash"]
         middle = sorted(c for c in table.columns if c not in first and c not in last)

@@ -44,9 +44,8 @@ import warnings
 import numpy as np
 import pandas as pd
 from scipy import stats
-
-from suite import registry
-from suite.api import GroundTruth, Task
+from stabench.suite import registry
+from stabench.suite.api import GroundTruth, Task
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
@@ -126,6 +125,8 @@ def outcomes(table: pd.DataFrame) -> pd.DataFrame:
                 "task": f"{task_id} [{cell}]" if cell else task_id,
                 "method": method,
                 "role": run["role"].iloc[0],
+                # False: the method does not change this task's trainer, and these are the baseline's rows
+                "acts": bool(run["acts"].iloc[0]) if "acts" in run else True,
                 "seed": seed,
                 "variant": variant,
                 "failed": run_failed(run, task.ground_truth, onset, iterations),
@@ -172,6 +173,7 @@ def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -
                 "task": task_id,
                 "method": method,
                 "role": group["role"].iloc[0],
+                "acts": bool(group["acts"].all()) if "acts" in group else True,
                 "failure_rate": float(injected["failed"].mean()),
                 "control_failure_rate": float(control["failed"].mean()) if len(control) else math.nan,
                 "normalized_return": float(np.nanmean(norm)) if np.isfinite(norm).any() else math.nan,
@@ -220,19 +222,38 @@ def _stratified_ci(statistic, samples: list[np.ndarray]) -> tuple[float, float]:
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def common_tasks(per_run: pd.DataFrame) -> list[str]:
+    """The tasks every method is compared on: those the baseline ran on."""
+    return sorted(per_run.loc[per_run["method"] == "baseline", "task"].unique())
+
+
 def aggregate(per_run: pd.DataFrame) -> list[dict]:
-    """Per method, across the tasks it ran on: IQM of normalized return and probability of improvement."""
+    """Per method, across tasks: IQM of normalized return and probability of improvement over the baseline.
+
+    A method is `ranked` when it has runs on every task of the common set (`common_tasks`; a method that
+    does not change a task's trainer has the baseline's runs there, marked `acts` False), and its aggregate
+    then covers exactly that set. A method with runs on only some of them is reported over those, unranked:
+    its number compares tasks, not methods. `acts_on` lists the tasks where the method really acts.
+    """
     injected = per_run[per_run["variant"] == "injected"].dropna(subset=["normalized_return"])
     samples = {
         (task, method): g.sort_values("seed")["normalized_return"].to_numpy(float)
         for (task, method), g in injected.groupby(["task", "method"])
     }
+    acting = {(t, m) for (t, m), g in injected.groupby(["task", "method"])
+              if ("acts" not in g) or bool(g["acts"].all())}
+    common = set(common_tasks(per_run))
     out = []
     for method in sorted(injected["method"].unique()):
         tasks = sorted(t for t, m in samples if m == method)
+        ranked = bool(common) and common <= set(tasks)
+        if ranked:
+            tasks = sorted(common)
         own = [samples[(t, method)] for t in tasks]
         low, high = _stratified_ci(_iqm, own)
-        row = {"method": method, "n_tasks": len(tasks), "iqm": float(_iqm(*own)), "ci_low": low, "ci_high": high}
+        row = {"method": method, "n_tasks": len(tasks), "ranked": ranked,
+               "acts_on": [t for t in tasks if (t, method) in acting],
+               "iqm": float(_iqm(*own)), "ci_low": low, "ci_high": high}
         shared = [t for t in tasks if (t, "baseline") in samples]
         if shared:
             pairs = [a for t in shared for a in (samples[(t, method)], samples[(t, "baseline")])]
@@ -293,6 +314,8 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
     if "role" in table:  # learners that do not learn fail in both branches for want of learning: not the failure
         table = table[table["role"] != "reference"]
+    if "acts" in table:  # a method's copies of the baseline's runs are not runs of their own
+        table = table[table["acts"].fillna(True).astype(bool)]
     table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     scored = [c.split("/", 1)[1] for c in alarm_columns]
@@ -480,7 +503,8 @@ def format_markdown(result: dict) -> str:
 
     stab = [{**r, "normalized return [95% CI]": f"{r['normalized_return']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"}
             for r in result["stabilizer_track"]]
-    parts = ["### Stabilizer track", "", table(stab, ["task", "method", "role", "failure_rate", "control_failure_rate",
+    parts = ["### Stabilizer track", "", table(stab, ["task", "method", "role", "acts", "failure_rate",
+                                                     "control_failure_rate",
                                                      "normalized return [95% CI]", "control_normalized_return",
                                                      "drawdown", "n_seeds"])]
     agg = [{**r, "IQM [95% CI]": f"{r['iqm']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
@@ -488,7 +512,11 @@ def format_markdown(result: dict) -> str:
                                     f"{r['poi_ci_high']:.2f}]") if "probability_of_improvement" in r else "-"}
            for r in result.get("aggregate", [])]
     if agg:
-        parts += ["", "### Across tasks", "", table(agg, ["method", "n_tasks", "IQM [95% CI]", "P(improve) [95% CI]"])]
+        for r in agg:
+            unranked = "" if r.get("ranked", True) else " (unranked)"
+            r["acts on"] = f"{len(r.get('acts_on', []))}/{r['n_tasks']}{unranked}"
+        parts += ["", "### Across tasks", "", table(agg, ["method", "n_tasks", "acts on", "IQM [95% CI]",
+                                                          "P(improve) [95% CI]"])]
     det = result.get("detector_track", [])
     if det:
         det = [{**r, "score [95% CI]": _score_ci(r)} for r in det]
@@ -507,7 +535,7 @@ def format_table(result: dict) -> str:
     frame["normalized_return (95% CI)"] = [
         f"{r.normalized_return:6.3f} [{r.ci_low:6.3f}, {r.ci_high:6.3f}]" for r in frame.itertuples()
     ]
-    cols = ["task", "method", "role", "failure_rate", "control_failure_rate", "normalized_return (95% CI)",
+    cols = ["task", "method", "role", "acts", "failure_rate", "control_failure_rate", "normalized_return (95% CI)",
             "control_normalized_return", "drawdown", "n_seeds"]
     parts.append("stabilizer track\n" + frame[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     agg = pd.DataFrame(result.get("aggregate", []))
@@ -519,7 +547,11 @@ def format_table(result: dict) -> str:
                 if not pd.isna(r.probability_of_improvement) else "-"
                 for r in agg.itertuples()
             ]
-        keep = [c for c in ("method", "n_tasks", "IQM (95% CI)", "P(improve over baseline) (95% CI)") if c in agg]
+        if "acts_on" in agg:
+            agg["acts on"] = [f"{len(r.acts_on)}/{r.n_tasks}" + ("" if r.ranked else " unranked")
+                              for r in agg.itertuples()]
+        keep = [c for c in ("method", "n_tasks", "acts on", "IQM (95% CI)", "P(improve over baseline) (95% CI)")
+                if c in agg]
         parts.append("across tasks\n" + agg[keep].to_string(index=False))
     det = pd.DataFrame(result.get("detector_track", []))
     if not det.empty:

@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-
-from suite import __version__, detectors, registry
-from suite.api import VARIANTS, Diverged
+from stabench.suite import __version__, detectors, registry
+from stabench.suite.api import VARIANTS, Diverged
 
 SUITE_VERSION = __version__
 
@@ -65,7 +64,7 @@ def branch_at_onset(run: Any, stabilizer: Any) -> Any:
     Only the built-in reference class is switched (stabilizers are never told the onset): it is found in
     the copy through the deep copy's memo, so the healthy run itself is never touched.
     """
-    from suite.references import FrozenAtOnset
+    from stabench.suite.references import FrozenAtOnset
 
     memo: dict[int, Any] = {}
     branch = copy.deepcopy(run, memo)

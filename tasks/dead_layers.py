@@ -99,12 +99,11 @@ control update of every method stays at or below 30, and every baseline first in
 from __future__ import annotations
 
 import torch
-
-from baselines.models import PlainMLP, make_spec
-from baselines.ppo import PPO, PPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.grids import N_ACTIONS, make_vector_env, room_table
+from stabench.baselines.models import PlainMLP, make_spec
+from stabench.baselines.ppo import PPO, PPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.grids import N_ACTIONS, make_vector_env, room_table
 
 ENV_ID = "stabench/EmptyFlat-5x5-v0"
 SIZE = 5

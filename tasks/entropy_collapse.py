@@ -87,12 +87,11 @@ from dataclasses import dataclass, replace
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, tiny_policy, warm_start
 from torch import nn
-
-from baselines.grpo import GRPO, GRPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import all_answers_logp, answer_logits, enumerate_answers, tiny_policy, warm_start
 
 # --- The world. ---------------------------------------------------------------------------------------------
 N_ACTIONS = 6  # digits 0-5; id 6 is BOS
@@ -202,9 +201,6 @@ class EntropyCollapseEnv(gym.Env):
                 reward = float(majority_vote(prompts, answers).sum())
         return self._obs(), reward, done, False, {}
 
-
-if "stabench/EntropyCollapse-v0" not in gym.registry:
-    gym.register(id="stabench/EntropyCollapse-v0", entry_point=EntropyCollapseEnv)
 
 
 # --- The warm start (also the frozen reference). ----------------------------------------------------------
@@ -357,8 +353,8 @@ class EntropyCollapse(Task):
     ground_truth = GroundTruth(
         metric="gt_expected_distinct", threshold=DISTINCT_FLOOR, fails_when="below", reduce="tail_mean"
     )
-    matched_fix = "grpo-kl-anchor"
-    methods = ("baseline", "grpo-kl-anchor", "clip-higher", "grpo-entropy-bonus")
+    matched_fix = "kl-anchor"
+    methods = ("baseline", "kl-anchor", "clip-higher", "entropy-bonus")
     # Collapse under way: token entropy down 0.7 nats (of ~1.45 at onset) within 10 iterations (seeds 100-109).
     detector = DetectorSpec(metric="entropy_trend", threshold=-0.7, above=False)
     diagnostics = ("grad_norms",)

@@ -261,15 +261,6 @@ def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: st
     return EmptyRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode, goal=goal)
 
 
-# Worlds registered at import: id -> (entry point, kwargs).
-WORLDS: dict[str, tuple[Any, dict[str, Any]]] = {
-    "stabench/EmptyFlat-5x5-v0": (make_empty_flat, {"size": 5}),
-    "stabench/EmptyFlat-8x8-v0": (make_empty_flat, {"size": 8}),
-}
-
-for _id, (_entry, _kwargs) in WORLDS.items():
-    if _id not in gym.registry:
-        gym.register(id=_id, entry_point=_entry, kwargs=_kwargs)
 
 
 def optimal_return_empty(size: int) -> float:

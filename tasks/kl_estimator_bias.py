@@ -87,15 +87,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import gymnasium as gym
 import numpy as np
 import torch
-from torch import nn
-
-from baselines.grpo import GRPO, GRPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import (
+from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import (
     AnswerEnv,
     all_answers_logp,
     answer_logits,
@@ -105,6 +102,7 @@ from tasks.tokens import (
     tiny_policy,
     warm_start,
 )
+from torch import nn
 
 # --- The world: 6 answer tokens, answers of 4 tokens (6**4 = 1,296 answers, all enumerable). -------------
 N_ACTIONS = 6
@@ -154,9 +152,6 @@ class KLTokensEnv(AnswerEnv):
         reward = (goal_and_rare if injected else goal_prefix) if post_onset else first_token_zero
         super().__init__(reward, N_ACTIONS, ANSWER_LEN)
 
-
-if "stabench/KLTokens-v0" not in gym.registry:
-    gym.register(id="stabench/KLTokens-v0", entry_point=KLTokensEnv)
 
 
 # --- The reference: a Markov table, then a tiny transformer warmed up on samples of it. ------------------

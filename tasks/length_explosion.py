@@ -87,12 +87,11 @@ from types import SimpleNamespace
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import answer_logits, on_default_device, warm_start
 from torch import nn
-
-from baselines.grpo import GRPO, GRPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import answer_logits, on_default_device, warm_start
 
 # --- The world: prompt = two digits and a mode; the answer, after some THINK tokens, a sum mod 5. ----------
 N_DIGITS = 5
@@ -199,9 +198,6 @@ class LengthExplosionEnv(gym.Env):
         reward = float(self.reward_fn(self._prompt[None], answer)[0])
         return self._obs(len(self._tokens) - 1), reward, True, False, {}
 
-
-if "stabench/LengthExplosion-v0" not in gym.registry:
-    gym.register(id="stabench/LengthExplosion-v0", entry_point=LengthExplosionEnv)
 
 
 STATE_FEATURES = torch.cat(
@@ -440,8 +436,9 @@ class LengthExplosion(Task):
     # Failure: on average over all prompts the chains spend more than half the THINK budget (CAP / 2 = 6;
     # the warm start thinks 2-4) over the last quarter of the run.
     ground_truth = GroundTruth(metric="gt_accuracy", threshold=0.8, fails_when="below", reduce="tail_mean")
+    provides = frozenset({"bound_context"})
     matched_fix = "constant-norm"
-    methods = ("baseline", "constant-norm", "dr-grpo", "markovian-chunks", "token-entropy-bonus")
+    methods = ("baseline", "constant-norm", "dr-grpo", "markovian-chunks", "entropy-bonus")
     detector = DetectorSpec(metric="length_mean", threshold=CAP / 2 + 2)  # tokens incl. digit and EOS; seeds 100-109
     diagnostics = ("lengths",)
     return_floor = 0.578  # frozen at onset, exact, mean over seeds 0-9 (module docstring)

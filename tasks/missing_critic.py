@@ -111,14 +111,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import gymnasium as gym
 import torch
+from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import AnswerEnv, answer_logits, tiny_policy
 from torch import nn
-
-from baselines.grpo import GRPO, GRPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import AnswerEnv, answer_logits, tiny_policy
 
 # --- The world: a walk mod K of CHAIN_LEN sub-steps, c_t = START + (t + 1) STRIDE mod K, after a prompt
 # [BOS, kind]; kind SHORT asks for the first SHORT_LEN sub-steps only, kind LONG for the whole chain. --------
@@ -163,9 +161,6 @@ class WalkChainEnv(AnswerEnv):
         reward = sparse_reward if injected else dense_reward
         super().__init__(reward, N_ACTIONS, CHAIN_LEN, prompt=torch.tensor([[BOS_ID, kind]]))
 
-
-if "stabench/WalkChain-v0" not in gym.registry:
-    gym.register(id="stabench/WalkChain-v0", entry_point=WalkChainEnv)
 
 
 def exact_success(model: nn.Module) -> tuple[float, float, float]:
@@ -239,7 +234,7 @@ class MissingCritic(Task):
     }
     ground_truth = GroundTruth(metric="gt_success", threshold=0.5, fails_when="below", reduce="tail_mean", tail=0.25)
     matched_fix = "mini-critics"
-    methods = ("baseline", "mini-critics", "grpo-entropy-bonus-low")
+    methods = ("baseline", "mini-critics", "entropy-bonus-low")
     detector = DetectorSpec(metric="grad_var", threshold=0.1)
     diagnostics = ("grad_variance",)
     # Floor: the policy frozen at onset, its exact LONG success averaged over calibration seeds 0-9; ceiling:

@@ -139,12 +139,11 @@ import gymnasium as gym
 import numpy as np
 import torch
 from minigrid.envs import EmptyEnv
+from stabench.baselines.ppo import PPO, PPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DIAGNOSTICS, diagnostic
+from stabench.tasks.grids import N_ACTIONS, flatten_minigrid, room_table
 from torch import nn
-
-from baselines.ppo import PPO, PPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task, TrainState
-from suite.diagnostics import DIAGNOSTICS, diagnostic
-from tasks.grids import N_ACTIONS, flatten_minigrid, room_table
 
 OBS_DIM = 147  # 7 x 7 x 3 egocentric view, flattened
 
@@ -218,6 +217,7 @@ class SeparateActorCritic(nn.Module):
                                    _ortho(width, N_ACTIONS, 0.01))
         self.critic = nn.Sequential(_ortho(OBS_DIM, width, g), nn.Tanh(), _ortho(width, width, g), nn.Tanh(),
                                     _ortho(width, 1, 1.0))
+        self.policy = self.actor[-1]  # the policy head, by the name feature regularizers look for
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.actor(obs), self.critic(obs).squeeze(-1)
@@ -227,9 +227,9 @@ class SeparateActorCritic(nn.Module):
 @diagnostic("behaviour_ratio")
 def behaviour_ratio(state: TrainState) -> dict[str, float]:
     """The importance ratio rho = pi_old / pi_behaviour of the rollout's actions at the start of the update
-    (`batch["old_logprobs"]` vs the stored `batch["logprobs"]`): p99, max, the share outside [1 - eps, 1 + eps]
+    (`batch["old_logp"]` vs the stored `batch["behaviour_logp"]`): p99, max, the share outside [1 - eps, 1 + eps]
     for eps = 0.2 (samples whose clipped ratio starts out of range), and Kish ESS / N."""
-    rho = (state.batch["old_logprobs"] - state.batch["logprobs"]).exp().double()
+    rho = (state.batch["old_logp"] - state.batch["behaviour_logp"]).exp().double()
     return {
         "rho_p99": float(torch.quantile(rho, 0.99)),
         "rho_max": float(rho.max()),
@@ -340,7 +340,7 @@ class ParallelStaleness(Task):
     }
     ground_truth = GroundTruth(metric="return", threshold=0.4, fails_when="below", reduce="tail_mean", tail=0.2)
     matched_fix = "vtrace"
-    methods = ("baseline", "decoupled-ppo", "vtrace", "dual-clip")
+    methods = ("baseline", "token-tis", "vtrace", "dual-clip")
     detector = DetectorSpec(metric="clip_frac", threshold=0.25)
     diagnostics = ("behaviour_ratio",)
     privileged = ("actor_lag",)  # the injected lag is the ground truth of what was done to the run

@@ -95,11 +95,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 from minigrid.envs import EmptyEnv
-
-from baselines.dqn import DQN, DQNConfig, QNetwork, q_spec, softmax_entropy
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
+from stabench.baselines.dqn import DQN, DQNConfig, QNetwork, q_spec, softmax_entropy
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
 
 SIZE = 6
 MAX_STEPS = 40
@@ -117,9 +116,6 @@ def make_empty_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, render_
     """MiniGrid's empty room, start cell and direction uniformly random, goal bottom-right, flat interface."""
     return flatten_minigrid(EmptyEnv(size=size, agent_start_pos=None, max_steps=max_steps, render_mode=render_mode))
 
-
-if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point=make_empty_random_flat, kwargs={"size": SIZE, "max_steps": MAX_STEPS})
 
 
 # ---- the world, enumerated: exact greedy return and the held-out states ----------------------------------------

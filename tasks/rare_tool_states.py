@@ -114,12 +114,11 @@ from dataclasses import dataclass, replace
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import on_default_device, warm_start
 from torch import nn
-
-from baselines.tool_ppo import ToolPPO, ToolPPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import on_default_device, warm_start
 
 # --- The world. --------------------------------------------------------------------------------------------
 N_DIGITS = 6  # the policy emits digits 0..5; queries are digits too
@@ -250,9 +249,7 @@ class ToolCallEnv(gym.Env):
         return self._ctx[0].cpu().numpy().copy(), reward, done, False, info
 
 
-ENV_ID = "stabench/RareToolStates-v0"
-if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point=ToolCallEnv)
+ENV_ID = "stabench/RareToolStates-v0"  # registered by `stabench.tasks`
 
 
 # --- Warm start: a supervised agent that knows the usual format and has no idea about the rare one. -------
@@ -412,7 +409,7 @@ class RareToolStates(Task):
     }
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)
     matched_fix = "token-tis"
-    methods = ("baseline", "token-tis", "turn-is", "tool-dual-clip")
+    methods = ("baseline", "token-tis", "turn-is", "dual-clip")
     # Clip fraction: at most 0.08 before onset; the control up to 0.33, the injected baseline 0.20-0.47 at onset.
     detector = DetectorSpec(metric="clip_frac", threshold=0.27)  # chosen on seeds 100-109 only (docstring)
     diagnostics = ("ratio_tails",)

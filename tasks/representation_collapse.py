@@ -105,13 +105,12 @@ from minigrid.core.grid import Grid
 from minigrid.core.mission import MissionSpace
 from minigrid.core.world_object import Goal
 from minigrid.minigrid_env import MiniGridEnv
+from stabench.baselines.models import ActorCritic, he_linear
+from stabench.baselines.ppo import PPO, PPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
+from stabench.tasks.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
 from torch import nn
-
-from baselines.models import ActorCritic, he_linear
-from baselines.ppo import PPO, PPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS, categorical_entropy
-from tasks.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
 
 # --- The world ------------------------------------------------------------------------------------------
 SIZE = 5  # 5x5 grid with walls: a 3x3 room
@@ -175,9 +174,6 @@ def make_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: st
     """The world with the grids family's interface: flat 75-dim view / 10, three actions."""
     return flatten_minigrid(TwoGoalsEnv(size=size, max_steps=max_steps, render_mode=render_mode))
 
-
-if ENV_ID not in gym.registry:
-    gym.register(id=ENV_ID, entry_point=make_two_goals, kwargs={"size": SIZE, "max_steps": MAX_STEPS})
 
 
 @dataclass(frozen=True)
@@ -427,7 +423,7 @@ class RepresentationCollapse(Task):
             if onset >= horizon:
                 raise StabenchError(f"onset {onset} lies past every tier's horizon (at most {horizon} iterations)")
         if fix is not None:
-            from suite import registry
+            from stabench.suite import registry
 
             if not (fix in registry.names("stabilizer") or registry.is_reference(fix)) or fix == "baseline":
                 known = ", ".join(n for n in registry.names("stabilizer") if n != "baseline")

@@ -79,15 +79,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import gymnasium as gym
 import numpy as np
 import torch
-from torch import nn
-
-from baselines.grpo import GRPO, GRPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import (
+from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import (
     AnswerEnv,
     all_answers_logp,
     answer_logits,
@@ -97,6 +94,7 @@ from tasks.tokens import (
     tiny_policy,
     warm_start,
 )
+from torch import nn
 
 # --- The world: 6 answer tokens, answers of 4 tokens (1,296 answers, all enumerable). ----------------------
 N_ACTIONS = 6
@@ -147,9 +145,6 @@ class RewardHackingEnv(AnswerEnv):
     def __init__(self) -> None:
         super().__init__(gold_reward, N_ACTIONS, ANSWER_LEN)
 
-
-if "stabench/RewardHacking-v0" not in gym.registry:
-    gym.register(id="stabench/RewardHacking-v0", entry_point=RewardHackingEnv)
 
 
 ALL_ANSWERS = enumerate_answers(N_ACTIONS, ANSWER_LEN)
@@ -352,8 +347,9 @@ class RewardHacking(Task):
         "full": Budget(iterations=223, onset=3, seeds=10),
     }
     ground_truth = GroundTruth(metric="gold", threshold=GOLD_TARGET, fails_when="below", reduce="tail_mean", tail=0.25)
+    provides = frozenset({"reward_ensemble"})
     matched_fix = "conservative-ensemble"
-    methods = ("baseline", "conservative-ensemble", "kl-k2-anchor", "grpo-entropy-bonus")
+    methods = ("baseline", "conservative-ensemble", "kl-k2-anchor", "entropy-bonus")
     # Threshold chosen on seeds 100-109 only (see the module docstring).
     detector = DetectorSpec(metric="rm_disagreement", threshold=0.38)
     diagnostics = ("reward_disagreement", "kl_estimators")

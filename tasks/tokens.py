@@ -27,11 +27,19 @@ import gymnasium as gym
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+from stabench.baselines import tokens as shared_tokens
+from stabench.baselines.tokens import (  # noqa: F401  (re-exported for the tasks)
+    RewardFn,
+    answer_logits,
+    answer_mask,
+    bos_prompts,
+    on_default_device,
+    sample_answers,
+    tiny_policy,
+)
 from torch import nn
 
 T = TypeVar("T")
-
-RewardFn = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | dict[str, torch.Tensor]"]
 
 
 def on_one_thread(fn: Callable[[], T]) -> T:
@@ -64,9 +72,9 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
 
     Every worker process of a sweep needs the same warm starts, and training them took seconds per task and
     worker. The cache key covers what could change the weights: `name`, the source of the task's module
-    (`source`, its path) and of this one, the torch and transformers versions, the device and the CPU's
-    kernel set; any change trains afresh. Entries are safetensors (no pickle) written atomically, so
-    concurrent workers at worst train the same start twice. A cache that cannot be written is reported
+    (`source`, its path), of this one and of the shared policy code, the torch and transformers versions, the
+    device and the CPU's kernel set; any change trains afresh. Entries are safetensors (no pickle) written
+    atomically, so concurrent workers at worst train the same start twice. A cache that cannot be written is reported
     as a warning and otherwise ignored.
     """
     import transformers
@@ -76,7 +84,7 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
     for part in (name, torch.__version__, transformers.__version__, torch.get_default_device().type,
                  torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode() + b"\0")
-    for path in (source, __file__):
+    for path in (source, __file__, shared_tokens.__file__):  # the task, this module, the shared policy code
         digest.update(Path(path).read_bytes())
     path = None if folder is None else folder / f"{name.replace('/', '-')}-{digest.hexdigest()[:20]}.safetensors"
     if path is not None and path.is_file():
@@ -96,73 +104,10 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
     return state
 
 
-def on_default_device(array: np.ndarray) -> torch.Tensor:
-    """A numpy array as a tensor on torch's default device (the CPU unless a GPU run made CUDA the default)."""
-    return torch.from_numpy(array).to(torch.get_default_device())
 
 
-def tiny_policy(n_actions: int, max_len: int, n_embd: int = 32, n_layer: int = 1, n_head: int = 2) -> nn.Module:
-    """A GPT-2 with `n_actions + 1` token ids (the last is BOS/EOS), no dropout, random init (seeded by torch)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    special = n_actions
-    config = GPT2Config(
-        vocab_size=n_actions + 1,
-        n_positions=max_len,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        bos_token_id=special,
-        eos_token_id=special,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    config._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(config)
 
 
-def bos_prompts(model: nn.Module, n: int) -> torch.Tensor:
-    """n prompts made of the BOS token alone: LongTensor [n, 1]."""
-    return torch.full((n, 1), model.config.bos_token_id, dtype=torch.long)
-
-
-def answer_logits(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor, n_actions: int) -> torch.Tensor:
-    """Logits [B, L, n_actions] of each answer token given the prompt and the answer tokens before it.
-
-    One forward over `prompts ++ answers[:, :-1]`; position P - 1 + t predicts answer token t.
-    """
-    inputs = torch.cat([prompts, answers[:, :-1]], dim=1)
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return logits[:, prompts.shape[1] - 1 :, :n_actions]
-
-
-@torch.no_grad()
-def sample_answers(
-    model: nn.Module, prompts: torch.Tensor, length: int, n_actions: int, rng: np.random.Generator
-) -> torch.Tensor:
-    """Ancestral sampling of `length` answer tokens per prompt: LongTensor [B, length].
-
-    Randomness comes only from `rng` (inverse-CDF sampling with its uniforms), so a run that holds its
-    own numpy Generator is reproducible and branches cleanly under `copy.deepcopy`.
-    """
-    seq = prompts
-    for _ in range(length):
-        logits = model(input_ids=seq, use_cache=False).logits[:, -1, :n_actions]
-        cdf = torch.softmax(logits.double(), dim=-1).cumsum(-1)
-        u = on_default_device(rng.random(len(seq)))[:, None] * cdf[:, -1:]
-        token = (cdf < u).sum(-1).clamp_max(n_actions - 1)
-        seq = torch.cat([seq, token[:, None]], dim=1)
-    return seq[:, prompts.shape[1] :]
-
-
-def answer_mask(answers: torch.Tensor, eos_id: int | None = None) -> torch.Tensor:
-    """1.0 on the tokens of each answer up to and including its first `eos_id`, 0.0 after (all ones if None)."""
-    if eos_id is None:
-        return torch.ones(answers.shape, dtype=torch.float32)
-    is_eos = (answers == eos_id).long()
-    after_eos = (is_eos.cumsum(1) - is_eos) > 0
-    return (~after_eos).float()
 
 
 def enumerate_answers(n_actions: int, length: int) -> torch.Tensor:

@@ -64,15 +64,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines.token_ppo import PrefixCritic, TokenPPO, TokenPPOConfig
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.tokens import (
+    AnswerEnv,
+    all_answers_logp,
+    enumerate_answers,
+    on_default_device,
+    prefix_logp,
+    tiny_policy,
+)
 from torch import nn
-
-from baselines.token_ppo import PrefixCritic, TokenPPO, TokenPPOConfig
-from suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from suite.diagnostics import DIAGNOSTICS
-from tasks.tokens import AnswerEnv, all_answers_logp, enumerate_answers, on_default_device, prefix_logp, tiny_policy
 
 # --- The world: 4 tokens, chains of 5 (4**5 = 1,024 answers, all enumerable). -------------------------------
 N_ACTIONS = 4
@@ -118,9 +123,6 @@ class ChainEnv(AnswerEnv):
     def __init__(self, switched: bool = False) -> None:
         super().__init__(REWARD_AFTER if switched else REWARD_BEFORE, N_ACTIONS, ANSWER_LEN)
 
-
-if "stabench/ValueColdStart-v0" not in gym.registry:
-    gym.register(id="stabench/ValueColdStart-v0", entry_point=ChainEnv)
 
 
 # --- Exact sampling and evaluation from the enumerated next-token tables. -----------------------------------
@@ -246,7 +248,7 @@ class ValueColdStart(Task):
     ground_truth = GroundTruth(metric="return", threshold=FAIL_BELOW, fails_when="below", reduce="tail_mean",
                                tail=0.25)
     matched_fix = "critic-warmup"
-    methods = ("baseline", "critic-warmup", "ppo-critic-entropy-bonus")
+    methods = ("baseline", "critic-warmup", "entropy-bonus")
     # The critic's RMSE on the batch: a healthy critic sits near 0.3-0.5 (the spread of returns given a prefix);
     # right after the task switch the old critic reads up to 1; a mis-scaled head reads several times that.
     detector = DetectorSpec(metric="value_error", threshold=1.5)

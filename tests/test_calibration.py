@@ -2,7 +2,7 @@
 
 import math
 
-from suite.calibration import verdicts
+from stabench.suite.calibration import verdicts
 
 
 def _row(method, role, failure, ret, low, high, control_failure=0.0, control_return=0.9):
@@ -62,7 +62,7 @@ def test_a_run_without_the_references_cannot_meet_the_bar():
 def test_score_refuses_runs_that_overlap(capsys):
     from pathlib import Path
 
-    from suite.cli import main
+    from stabench.suite.cli import main
 
     run = str(Path(__file__).parent / "data" / "paper_results")
     assert main(["score", run, run, "--calibration"]) == 2

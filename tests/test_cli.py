@@ -6,8 +6,7 @@ import sys
 
 import pytest
 from conftest import TOY
-
-from suite.cli import main
+from stabench.suite.cli import main
 
 pytestmark = pytest.mark.smoke
 
@@ -34,7 +33,8 @@ def run_cli(capsys, *argv):
         (["score", "/no/such/dir"], "no metrics.parquet in /no/such/dir"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--cpus", "0"], "--cpus must be at least 1"),
-        (["run", "--tasks", f"{TOY}:ToyTask", "--detector", f"{TOY}:ToyFix"], "is not a suite.api.Detector subclass"),
+        (["run", "--tasks", f"{TOY}:ToyTask", "--detector", f"{TOY}:ToyFix"],
+         "is not a stabench.suite.api.Detector subclass"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--stabilizer", f"{TOY}:ClashingName"], "not used by a built-in"),
         (["run", "--tasks", f"{TOY}:ToyTask", "--methods", "kl-max"], "does not apply to task"),
         (["run", "--tasks", f"{TOY}:NoSuchTask"], "has no 'NoSuchTask'"),
@@ -78,7 +78,8 @@ def test_unreadable_results_and_unknown_names_in_a_run_are_one_line(capsys, tmp_
 
 
 def test_list_names_every_registry_through_the_console_script():
-    proc = subprocess.run([sys.executable, "-m", "suite.cli", "list"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "stabench.suite.cli", "list"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     for name in ("dead-layers", "kl-estimator-bias", "multiskip-residual", "kl-max", "threshold", "grad_norms"):
         assert name in proc.stdout

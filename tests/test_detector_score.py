@@ -8,10 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import TOY
-
-from suite import detectors, leaderboard, registry, scoring
-from suite.api import StabenchError
-from suite.trial import TrialSpec, run_trial
+from stabench.suite import detectors, leaderboard, registry, scoring
+from stabench.suite.api import StabenchError
+from stabench.suite.trial import TrialSpec, run_trial
 
 pytestmark = pytest.mark.smoke
 
@@ -131,7 +130,7 @@ def test_lead_time_on_a_hand_made_case():
 
 
 PEEK = '''
-from suite.api import Detector
+from stabench.suite.api import Detector
 from tasks_toy import ToyTask
 
 
@@ -186,7 +185,7 @@ def test_replay_of_stored_rows_equals_the_runners_alarm_columns():
 
 
 def test_score_replays_a_detector_file_and_refuses_bad_ones(tmp_path, capsys, peek):
-    from suite.cli import main
+    from stabench.suite.cli import main
 
     run = tmp_path / "run"
     run.mkdir()
@@ -200,7 +199,7 @@ def test_score_replays_a_detector_file_and_refuses_bad_ones(tmp_path, capsys, pe
     assert {"peek", "random-20", "cusum", "oracle", "injection"} <= names
     before = (run / "metrics.parquet").read_bytes()
     for bad, message in ((f"{tmp_path}/missing.py:Nope", "does not exist"), ("oracle", "computed from the ground"),
-                         (f"{TOY}:ToyFix", "is not a suite.api.Detector subclass")):
+                         (f"{TOY}:ToyFix", "is not a stabench.suite.api.Detector subclass")):
         assert main(["score", str(run), "--detector", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("stabench: error:") and message in err and err.count("\n") == 1, err

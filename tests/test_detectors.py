@@ -4,8 +4,7 @@ import math
 
 import numpy as np
 import pytest
-
-from suite.detectors import (
+from stabench.suite.detectors import (
     Always,
     CalibratedThreshold,
     Cusum,

@@ -13,10 +13,11 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.clip_higher import ClipHigher, GRPOEntropyBonus, GRPOKLAnchor
-from suite.api import StabenchError, Stabilizer
-from tasks import entropy_collapse as ec
+from stabench.baselines.stabilizers.clipping import ClipHigher
+from stabench.baselines.stabilizers.entropy import EntropyBonus, EntropyBonusLow
+from stabench.baselines.stabilizers.kl import KLAnchor
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.tasks import entropy_collapse as ec
 
 pytestmark = pytest.mark.smoke
 
@@ -150,8 +151,8 @@ def test_branching_is_paired_and_deterministic() -> None:
 def test_clip_higher_formula_on_a_hand_computed_case() -> None:
     logp = torch.tensor([[math.log(1.5), math.log(1.25), math.log(0.5), math.log(1.1)]])
     batch = {
-        "logp": logp, "old_logp": torch.zeros(1, 4), "advantages": torch.tensor([[1.0, 1.0, -1.0, -2.0]]),
-        "token_weight": torch.full((1, 4), 0.25),
+        "logp": logp, "behaviour_logp": torch.zeros(1, 4), "advantages": torch.tensor([[1.0, 1.0, -1.0, -2.0]]),
+        "token_weight": torch.full((1, 4), 0.25), "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2),
     }  # fmt: skip
     # ratios 1.5, 1.25, 0.5, 1.1: A>0 clipped at 1.28 and 1.25 (inside); A<0 clipped at 0.8 -> -min(-0.5, -0.8) = 0.8
     expected = 0.25 * (-1.28 - 1.25 + 0.8 + 2.2)
@@ -165,28 +166,31 @@ def test_clip_higher_formula_on_a_hand_computed_case() -> None:
 
 
 def test_entropy_bonus_gradient_is_minus_the_entropy_gradient() -> None:
-    logits = torch.tensor([0.3, -0.2, 1.0], requires_grad=True)
+    logits = torch.tensor([[0.3, -0.2, 1.0], [2.0, 0.0, -1.0]], requires_grad=True)
     logp_all = torch.log_softmax(logits, -1)
-    probs = logp_all.exp().detach()
-    # expected surrogate over all tokens (on-policy, r = 1): sum_x pi(x) * coef * logp(x).detach() * ratio(x)
-    total = torch.zeros(())
-    for x in range(3):
-        lp = logp_all[x : x + 1][None]
-        batch = {"logp": lp, "old_logp": lp.detach(), "token_weight": torch.ones(1, 1)}
-        total = total + probs[x] * GRPOEntropyBonus().loss({}, batch)["entropy"]
-    (grad,) = torch.autograd.grad(total, logits, retain_graph=True)
-    entropy = -(logp_all.exp() * logp_all).sum()
-    (ent_grad,) = torch.autograd.grad(entropy, logits)
-    assert torch.allclose(grad, -GRPOEntropyBonus.coef * ent_grad, atol=1e-6)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [2]: per-action entropy with the graph, as trainers hand it
+    weight = torch.tensor([0.25, 0.75])
+    batch = {"entropy": entropy[None], "token_weight": weight[None]}
+    out = EntropyBonus().loss({"policy": torch.tensor(1.0)}, batch)
+    assert set(out) == {"policy", "entropy_bonus"} and float(out["policy"]) == 1.0
+    assert EntropyBonus.coef == 0.05 and EntropyBonusLow.coef == 0.01
+    assert float(out["entropy_bonus"].detach()) == pytest.approx(-0.05 * float((weight * entropy).detach().sum()))
+    (grad,) = torch.autograd.grad(out["entropy_bonus"], logits, retain_graph=True)
+    (ent_grad,) = torch.autograd.grad((weight * entropy).sum(), logits, retain_graph=True)
+    assert torch.allclose(grad, -0.05 * ent_grad, atol=1e-7) and float(ent_grad.abs().sum()) > 0
+    low = EntropyBonusLow().loss({}, batch)["entropy_bonus"]
+    assert float(low.detach()) == pytest.approx(-0.01 * float((weight * entropy).detach().sum()))
 
 
 def test_kl_anchor_is_k3_times_coef() -> None:
     logp, ref = torch.tensor([[-0.1, -3.0]]), torch.tensor([[-3.0, -0.1]])
     batch = {"logp": logp, "ref_logp": ref, "token_weight": torch.full((1, 2), 0.5)}
     d = ref - logp
-    expected = GRPOKLAnchor.coef * 0.5 * float((torch.expm1(d) - d).sum())
-    out = GRPOKLAnchor().loss({"policy": torch.tensor(1.0)}, batch)
+    assert KLAnchor.coef == 0.3
+    expected = 0.3 * 0.5 * float((torch.expm1(d) - d).sum())
+    out = KLAnchor().loss({"policy": torch.tensor(1.0), "kl": torch.tensor(2.0)}, batch)
     assert float(out["kl_anchor"]) == pytest.approx(expected) and float(out["policy"]) == 1.0
+    assert float(out["kl"]) == 2.0  # beside the trainer's own KL term, not in its place
 
 
 @pytest.mark.parametrize("onset", [-1, 0, 60, 1000, 2.5, True])

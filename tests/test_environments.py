@@ -3,8 +3,7 @@
 import gymnasium as gym
 import pytest
 from gymnasium.utils.env_checker import check_env
-
-from suite import registry
+from stabench.suite import registry
 
 pytestmark = pytest.mark.smoke
 

@@ -13,15 +13,15 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gymnasium.utils.env_checker import check_env  # noqa: E402
-
-from baselines.models import MultiSkipResidualMLP, PlainMLP, make_spec  # noqa: E402
-from baselines.ppo import PPO, PPOConfig  # noqa: E402
-from baselines.stabilizers.grad_clip import GradClip  # noqa: E402
-from baselines.stabilizers.multiskip_residual import MultiSkipResidual  # noqa: E402
-from suite.api import Stabilizer  # noqa: E402
-from suite.diagnostics import DIAGNOSTICS, layer_groups, per_layer_grad_norms  # noqa: E402
-from tasks.dead_layers import NEW_GOAL, NEW_MAX_STEPS, DeadLayers, new_room  # noqa: E402
-from tasks.grids import WORLDS, make_vector_env  # noqa: E402
+from stabench.baselines.models import MultiSkipResidualMLP, PlainMLP, make_spec  # noqa: E402
+from stabench.baselines.ppo import PPO, PPOConfig  # noqa: E402
+from stabench.baselines.stabilizers.architecture import MultiSkipResidual  # noqa: E402
+from stabench.baselines.stabilizers.clipping import GradClip  # noqa: E402
+from stabench.suite.api import Stabilizer  # noqa: E402
+from stabench.suite.diagnostics import DIAGNOSTICS, layer_groups, per_layer_grad_norms  # noqa: E402
+from stabench.tasks import WORLDS  # noqa: E402
+from stabench.tasks.dead_layers import NEW_GOAL, NEW_MAX_STEPS, DeadLayers, new_room  # noqa: E402
+from stabench.tasks.grids import make_vector_env  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -107,7 +107,8 @@ def test_stabilizer_hooks_called_in_order() -> None:
     assert stab.calls == ["model", "optimizer"]
     state = ppo.iterate()
     n = TINY.update_epochs * TINY.num_minibatches
-    assert stab.calls[2:] == ["advantages", "loss", "after_backward"] * n
+    # `advantages` once per iteration on the whole rollout, then per minibatch `loss` -> `after_backward`
+    assert stab.calls[2:] == ["advantages"] + ["loss", "after_backward"] * n
     assert state.extras["global_step"] == TINY.num_envs * TINY.num_steps
     assert set(state.grads) == {name for name, _ in ppo.model.named_parameters()}
 
@@ -186,8 +187,7 @@ def test_dead_layers_anchors_make_not_learning_fail() -> None:
 
 def test_moved_goal_room_steps_exactly_as_minigrid() -> None:
     from minigrid.envs import EmptyEnv
-
-    from tasks.grids import EmptyRoomFlat, flatten_minigrid, place_goal
+    from stabench.tasks.grids import EmptyRoomFlat, flatten_minigrid, place_goal
 
     fast = EmptyRoomFlat(size=5, max_steps=NEW_MAX_STEPS, goal=NEW_GOAL)
     ref = EmptyEnv(size=5, max_steps=NEW_MAX_STEPS)
@@ -244,8 +244,7 @@ def test_same_seed_same_rows() -> None:
 @pytest.mark.parametrize("size,max_steps", [(5, None), (5, 9), (8, 40)])
 def test_the_table_driven_room_steps_exactly_as_minigrid(size: int, max_steps: int | None) -> None:
     from minigrid.envs import EmptyEnv
-
-    from tasks.grids import EmptyRoomFlat, flatten_minigrid
+    from stabench.tasks.grids import EmptyRoomFlat, flatten_minigrid
 
     fast = EmptyRoomFlat(size=size, max_steps=max_steps)
     slow = flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps))
@@ -279,7 +278,7 @@ def test_the_table_driven_room_renders_as_minigrid() -> None:
 
 
 def test_the_table_driven_room_rejects_bad_steps() -> None:
-    from tasks.grids import EmptyRoomFlat
+    from stabench.tasks.grids import EmptyRoomFlat
 
     with pytest.raises(ValueError, match="render_mode 'ansi' is not one of"):
         EmptyRoomFlat(size=5, render_mode="ansi")
@@ -295,7 +294,7 @@ def test_the_table_driven_room_rejects_bad_steps() -> None:
 
 
 def test_upper_quantile_is_torch_quantile_bit_for_bit() -> None:
-    from baselines.ppo import upper_quantile
+    from stabench.baselines.ppo import upper_quantile
 
     g = torch.Generator().manual_seed(0)
     for n in (2, 3, 100, 128, 257):

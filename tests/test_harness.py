@@ -8,16 +8,15 @@ import pandas as pd
 import pytest
 import torch
 from conftest import TOY
-
-from suite import registry, scoring
-from suite.api import Budget, GroundTruth, StabenchError
-from suite.diagnostics import (
+from stabench.suite import registry, scoring
+from stabench.suite.api import Budget, GroundTruth, StabenchError
+from stabench.suite.diagnostics import (
     dormant_share,
     effective_rank,
     per_layer_grad_norms,
     total_grad_norm,
 )
-from suite.runner import ExperimentSpec, TrialSpec, run_trial
+from stabench.suite.runner import ExperimentSpec, TrialSpec, run_trial
 
 pytestmark = pytest.mark.smoke
 
@@ -71,7 +70,7 @@ def test_registry_resolves_builtins_files_and_reports_bad_references(tmp_path):
         registry.resolve_class("stabilizer", str(tmp_path / "missing.py") + ":X")
     with pytest.raises(StabenchError, match="has no 'Missing'"):
         registry.resolve_class("stabilizer", f"{TOY}:Missing")
-    with pytest.raises(StabenchError, match="is not a suite.api.Stabilizer subclass"):
+    with pytest.raises(StabenchError, match="is not a stabench.suite.api.Stabilizer subclass"):
         registry.resolve_class("stabilizer", f"{TOY}:NotAStabilizer")
     broken = tmp_path / "broken.py"
     broken.write_text("raise ValueError('bad plugin')\n")
@@ -181,7 +180,7 @@ def test_probability_of_improvement_of_a_method_against_a_copy_of_itself_is_one_
 def test_an_installed_package_entry_point_is_found_by_name(tmp_path, monkeypatch):
     """A package that declares `stabench.stabilizers` and `stabench.tasks` entry points is usable by name."""
     (tmp_path / "outside_fix.py").write_text(
-        "from suite.api import Stabilizer\n\nclass OutsideFix(Stabilizer):\n    name = 'outside-fix'\n"
+        "from stabench.suite.api import Stabilizer\n\nclass OutsideFix(Stabilizer):\n    name = 'outside-fix'\n"
     )
     dist = tmp_path / "outside_fix-1.0.dist-info"
     dist.mkdir()

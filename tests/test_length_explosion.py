@@ -9,11 +9,12 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.grpo import aggregate
-from baselines.stabilizers.length import ConstantNorm, DrGRPO, MarkovianChunks, TokenEntropyBonus
-from suite.api import StabenchError, Stabilizer
-from tasks import length_explosion as le
+from stabench.baselines.grpo import aggregate
+from stabench.baselines.stabilizers.aggregation import ConstantNorm, DrGRPO
+from stabench.baselines.stabilizers.architecture import MarkovianChunks
+from stabench.baselines.stabilizers.entropy import EntropyBonus
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.tasks import length_explosion as le
 
 pytestmark = pytest.mark.smoke
 
@@ -105,7 +106,7 @@ def test_constant_norm_and_dr_grpo_on_a_hand_computed_batch() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     adv = torch.tensor([[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]])
     logp = torch.tensor([[-0.5, -1.0, -0.2, -0.3], [-0.4, -0.6, 0.0, 0.0]], requires_grad=True)
-    batch = {"logp": logp, "old_logp": logp.detach(), "advantages": adv, "mask": mask,
+    batch = {"logp": logp, "behaviour_logp": logp.detach(), "advantages": adv, "mask": mask,
              "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2)}  # fmt: skip
     policy = ConstantNorm().loss({"policy": torch.tensor(9.0)}, batch)["policy"]
     assert float(policy.detach()) == pytest.approx(6 / 8)  # sum of -ratio * A over the 6 real tokens / (2 x 4)
@@ -117,9 +118,9 @@ def test_constant_norm_and_dr_grpo_on_a_hand_computed_batch() -> None:
     dr = DrGRPO().advantages(torch.zeros(4, 2), {"rewards": rewards, "group": torch.tensor([0, 0, 1, 1]),
                                                   "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0]] * 2)})  # fmt: skip
     assert torch.equal(dr, torch.tensor([[0.5, 0.5], [-0.5, 0.0], [0.0, 0.0], [0.0, 0.0]]))
-    bonus = TokenEntropyBonus().advantages(torch.zeros(1, 2), {"logp": torch.tensor([[-2.0, -1.0]]),
-                                                              "mask": torch.tensor([[1.0, 0.0]])})  # fmt: skip
-    assert torch.allclose(bonus, torch.tensor([[0.02, 0.0]]))
+    # the plain guard: -0.05 * sum(token_weight * entropy); a padded token (weight 0) adds nothing
+    bonus = EntropyBonus().loss({}, {"entropy": torch.tensor([[2.0, 1.0]]), "token_weight": torch.tensor([[0.5, 0.0]])})
+    assert float(bonus["entropy_bonus"]) == pytest.approx(-0.05 * 2.0 * 0.5)
 
 
 def test_markovian_chunks_bounds_the_context() -> None:

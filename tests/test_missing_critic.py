@@ -11,11 +11,10 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.mini_critics import MiniCritics, gae
-from suite.api import StabenchError, Stabilizer
-from tasks import missing_critic as mc
-from tasks.tokens import tiny_policy
+from stabench.baselines.stabilizers.critics import MiniCritics, gae
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.tasks import missing_critic as mc
+from stabench.tasks.tokens import tiny_policy
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -126,7 +125,7 @@ def test_good_onset_moves_the_quick_tier_only() -> None:
 def test_a_learner_frozen_at_onset_fails_and_scores_the_floor() -> None:
     """Version 2: the long chain is still to be learned at onset; the policy frozen there keeps its exact LONG
     success (constant after onset, in both branches), below the ground truth's threshold."""
-    from suite.trial import TrialSpec, run_trial
+    from stabench.suite.trial import TrialSpec, run_trial
 
     rows = run_trial(TrialSpec("missing-critic", "frozen-at-onset", 0, "smoke", detectors=()))
     onset = mc.MissingCritic().budget("smoke").onset

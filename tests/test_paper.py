@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-
-from suite import paper
+from stabench.suite import paper
 
 pytestmark = pytest.mark.smoke
 
@@ -41,7 +40,7 @@ def test_paper_builds_figures_tables_and_text_from_a_fixed_table(tmp_path):
 
 
 def test_a_template_asking_for_a_table_nobody_makes_is_an_error(tmp_path):
-    from suite.api import StabenchError
+    from stabench.suite.api import StabenchError
 
     (tmp_path / "paper.template.md").write_text("{{table:no_such_table}}\n")
     with pytest.raises(StabenchError, match="asks for table:no_such_table"):

@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.dqn import DQN, DQNConfig, QNetwork, q_spec
-from baselines.stabilizers.chain import Chain, chain_regularizer
-from suite import registry
-from suite.api import Diverged, StabenchError, Stabilizer, TrainState
-from suite.diagnostics import DIAGNOSTICS
-from tasks.grids import make_vector_env
-from tasks.policy_churn import ENV_ID, PolicyChurn, frozen_units, optimal_return, state_table
+from stabench.baselines.dqn import DQN, DQNConfig, QNetwork, q_spec
+from stabench.baselines.stabilizers.critics import Chain, chain_regularizer
+from stabench.suite import registry
+from stabench.suite.api import Diverged, StabenchError, Stabilizer, TrainState
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.grids import make_vector_env
+from stabench.tasks.policy_churn import ENV_ID, PolicyChurn, frozen_units, optimal_return, state_table
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)

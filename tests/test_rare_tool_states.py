@@ -9,13 +9,13 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.turn_level_is import TokenTIS, ToolDualClip, TurnLevelIS, turn_mean, turn_size
-from baselines.tool_ppo import ToolPPO, ToolPPOConfig
-from suite.api import StabenchError, Stabilizer
-from suite.registry import resolve_class
-from tasks import rare_tool_states as task_module
-from tasks.rare_tool_states import ENV_ID, RESULTS, RareToolStates, ToolWorld, exact_returns, warm_policy
+from stabench.baselines.stabilizers.clipping import DualClip
+from stabench.baselines.stabilizers.importance import TokenTIS, TurnLevelIS, turn_mean, turn_size
+from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.suite.registry import resolve_class
+from stabench.tasks import rare_tool_states as task_module
+from stabench.tasks.rare_tool_states import ENV_ID, RESULTS, RareToolStates, ToolWorld, exact_returns, warm_policy
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -139,10 +139,10 @@ def test_token_tis_and_dual_clip_formulas() -> None:
     tis = float(TokenTIS().loss({}, batch)["policy"])
     # token ratios vs pi_old: 1, 5, 1, 1; weights min(pi_old / q, 2): 1, 1, 2, 1.
     assert tis == pytest.approx((1.0 + 5.0 - 2.0 - 1.0) / 4)
-    dual = float(ToolDualClip().loss({}, batch)["policy"])
+    dual = float(DualClip().loss({}, batch)["policy"])
     # ratios vs the sampler: 1, 5 (A < 0: 5 capped at c = 3), 4 (A > 0: clipped to 1.2), 1.
     assert dual == pytest.approx((1.0 + 3.0 - 1.2 - 1.0) / 4)
-    baseline_like = ToolDualClip()
+    baseline_like = DualClip()
     baseline_like.c = math.inf
     assert float(baseline_like.loss({}, batch)["policy"]) == pytest.approx((1.0 + 5.0 - 1.2 - 1.0) / 4)
 

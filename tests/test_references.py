@@ -3,11 +3,10 @@
 import pytest
 import torch
 from conftest import TOY
-
-from suite import registry
-from suite.api import REFERENCE_METHODS
-from suite.references import FrozenAtOnset
-from suite.trial import TrialSpec, run_trial
+from stabench.suite import registry
+from stabench.suite.api import REFERENCE_METHODS
+from stabench.suite.references import FrozenAtOnset
+from stabench.suite.trial import TrialSpec, run_trial
 
 TOY_TASK = f"{TOY}:ToyTask"
 

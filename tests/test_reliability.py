@@ -18,14 +18,14 @@ GRID = ["--tier", "smoke", "--tasks", *SLOW, "--methods", f"baseline,{TOY}:ToyFi
 
 
 def stabench(*argv, env=None, timeout=600):
-    return subprocess.run([sys.executable, "-m", "suite.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "stabench.suite.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def kill_after(finished: int, out: Path, log: Path) -> None:
     """Start the sweep, SIGKILL its whole process group once `finished` trials have reported."""
     with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "suite.cli", "run", *GRID, "--out", str(out)],
+        proc = subprocess.Popen([sys.executable, "-m", "stabench.suite.cli", "run", *GRID, "--out", str(out)],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:

@@ -13,17 +13,16 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from gymnasium.utils.env_checker import check_env  # noqa: E402
-
-from baselines.stabilizers.isotropic import (  # noqa: E402
-    EntropyBonus,
+from stabench.baselines.stabilizers.entropy import EntropyBonus  # noqa: E402
+from stabench.baselines.stabilizers.representation import (  # noqa: E402
     IsotropicGaussian,
     isotropic_gaussian_loss,
     random_directions,
 )
-from suite import registry  # noqa: E402
-from suite.api import StabenchError, Stabilizer, TrainState  # noqa: E402
-from suite.diagnostics import DIAGNOSTICS, effective_rank  # noqa: E402
-from tasks.representation_collapse import (  # noqa: E402
+from stabench.suite import registry  # noqa: E402
+from stabench.suite.api import StabenchError, Stabilizer, TrainState  # noqa: E402
+from stabench.suite.diagnostics import DIAGNOSTICS, effective_rank  # noqa: E402
+from stabench.tasks.representation_collapse import (  # noqa: E402
     CELLS,
     ENV_ID,
     RepresentationCollapse,
@@ -131,7 +130,7 @@ def test_registered_names_resolve() -> None:
     assert registry.resolve_class("stabilizer", "entropy-bonus") is EntropyBonus
     task = RepresentationCollapse()
     assert all(name in DIAGNOSTICS for name in task.diagnostics)
-    assert all(registry.make_stabilizer(m).applies_to("ppo") for m in task.methods)
+    assert all(registry.make_stabilizer(m).applies_to(task) for m in task.methods)
 
 
 def test_rows_deterministic_per_seed_and_deepcopy_branches() -> None:

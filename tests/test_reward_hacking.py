@@ -12,16 +12,16 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.reward_ensemble import (
+from stabench.baselines.stabilizers.kl import KLk2Anchor
+from stabench.baselines.stabilizers.reward_models import (
     ConservativeEnsemble,
     ConservativeEnsembleNoAnchor,
-    KLAnchor,
     conservative_reward,
     group_normalized,
 )
-from suite.api import StabenchError, Stabilizer
-from tasks import reward_hacking as rh
+from stabench.suite import registry
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.tasks import reward_hacking as rh
 
 pytestmark = pytest.mark.smoke
 
@@ -119,16 +119,26 @@ def test_conservative_ensemble_hooks() -> None:
     assert stab.k == 4.0
     assert adv[0, 0] > 0 > adv[1, 0] and torch.equal(adv[:, 0], adv[:, 1])
     assert adv[2, 0] < 0 < adv[3, 0]
-    assert torch.equal(stab.advantages(torch.ones(4, 2), {"mask": mask}), torch.ones(4, 2))  # no ensemble: unchanged
-    kl_batch = {"logp": torch.tensor([-0.1, -3.0]), "ref_logp": torch.tensor([-3.0, -0.1])}
-    kl_batch["kl_coef"] = torch.tensor(0.02)
-    expected = (KLAnchor.anchor_beta / 0.02) * 0.5 * torch.tensor([2.9, 2.9]) ** 2
-    assert torch.allclose(KLAnchor().kl_loss(torch.zeros(2), kl_batch), expected)
-    assert torch.allclose(stab.kl_loss(torch.zeros(2), kl_batch), expected)
+    # without an ensemble there is nothing to be conservative about: it applies only where the task provides one
+    assert stab.applies_to(rh.RewardHacking()) and "reward_ensemble" in rh.RewardHacking.provides
+    assert not stab.applies_to(registry.get_task("kl-estimator-bias"))
+    assert not ConservativeEnsembleNoAnchor().applies_to(registry.get_task("entropy-collapse"))
+    # the anchor: 0.05 * sum(w * k2), k2 = d^2 / 2, d = ref_logp - logp, in place of the trainer's KL term
+    kl_batch = {"logp": torch.tensor([[-0.1, -3.0]]), "ref_logp": torch.tensor([[-3.0, -0.1]]),
+                "token_weight": torch.tensor([[0.25, 0.5]]), "kl_coef": torch.tensor(0.02)}
+    expected = 0.05 * float((torch.tensor([0.25, 0.5]) * 0.5 * torch.tensor([2.9, 2.9]) ** 2).sum())
+    assert KLk2Anchor.coef == 0.05 and isinstance(stab, KLk2Anchor)
+    terms = {"policy": torch.tensor(1.0), "kl": torch.tensor(7.0)}
+    for anchored in (KLk2Anchor().loss(dict(terms), kl_batch), stab.loss(dict(terms), kl_batch)):
+        assert set(anchored) == {"policy", "kl"} and float(anchored["policy"]) == 1.0
+        assert float(anchored["kl"]) == pytest.approx(expected, rel=1e-6)
+    per_token = torch.tensor([0.3, 0.7])
+    assert torch.equal(stab.kl_loss(per_token, kl_batch), per_token)  # the anchor goes through `loss` only
     ablation = ConservativeEnsembleNoAnchor()  # the same advantages, the trainer's KL term untouched
     assert ablation.k == stab.k and torch.equal(ablation.advantages(torch.zeros(4, 2), batch), adv)
-    per_token = torch.tensor([0.3, 0.7])
     assert torch.equal(ablation.kl_loss(per_token, kl_batch), per_token)
+    untouched = ablation.loss(dict(terms), kl_batch)
+    assert set(untouched) == {"policy", "kl"} and float(untouched["kl"]) == 7.0
 
 
 @pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 0}, {"onset": 10_000}, {"onset": 2.5},

@@ -9,13 +9,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-
-from baselines.ppo import PPO, PPOConfig
-from baselines.stabilizers.staleness import DecoupledPPO, DualClip, VTrace, vtrace
-from suite import registry
-from suite.api import StabenchError, Stabilizer
-from suite.runner import ExperimentSpec
-from tasks.parallel_staleness import (
+from stabench.baselines.ppo import PPO, PPOConfig
+from stabench.baselines.stabilizers.clipping import DualClip
+from stabench.baselines.stabilizers.importance import TokenTIS, VTrace, vtrace
+from stabench.suite import registry
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.suite.runner import ExperimentSpec
+from stabench.tasks.parallel_staleness import (
     ParallelStaleness,
     RoomVectorEnv,
     SeparateActorCritic,
@@ -97,20 +97,24 @@ def test_lagged_actor_uses_old_parameters() -> None:
     start = copy.deepcopy(ppo.model.state_dict())
     ppo.actor_history, ppo.actor_lag = 3, 3
     state = ppo.iterate()  # only one snapshot: the learner acts itself
-    assert state.extras["actor_lag"] == 0 and torch.equal(state.batch["old_logprobs"], state.batch["logprobs"])
+    assert state.extras["actor_lag"] == 0 and torch.equal(state.batch["old_logp"], state.batch["behaviour_logp"])
     state = ppo.iterate()
     assert state.extras["actor_lag"] == 1
     assert all(torch.equal(ppo.actor.state_dict()[k], v) for k, v in start.items())
-    assert not torch.allclose(state.batch["old_logprobs"], state.batch["logprobs"])
+    assert not torch.allclose(state.batch["old_logp"], state.batch["behaviour_logp"])
 
 
 def minibatch() -> dict[str, torch.Tensor]:
+    """A PPO minibatch as the `loss` hook sees it (`suite.api.BATCH_SCHEMA`): token_weight 1 / size (a mean)."""
     return {
-        "logprobs": torch.log(torch.tensor([0.5, 0.1, 0.4, 0.2])),  # behaviour
-        "old_logprobs": torch.log(torch.tensor([0.5, 0.4, 0.1, 0.6])),  # learner at the update's start
-        "new_logprobs": torch.log(torch.tensor([0.55, 0.5, 0.05, 0.9])),
-        "adv": torch.tensor([1.0, -2.0, 0.5, -1.0]),
-        "clip_coef": torch.tensor(0.2),
+        "behaviour_logp": torch.log(torch.tensor([0.5, 0.1, 0.4, 0.2])),  # behaviour
+        "old_logp": torch.log(torch.tensor([0.5, 0.4, 0.1, 0.6])),  # learner at the update's start
+        "logp": torch.log(torch.tensor([0.55, 0.5, 0.05, 0.9])),
+        "advantages": torch.tensor([1.0, -2.0, 0.5, -1.0]),
+        "mask": torch.ones(4),
+        "token_weight": torch.full((4,), 0.25),
+        "clip_low": torch.tensor(0.2),
+        "clip_high": torch.tensor(0.2),
     }
 
 
@@ -122,18 +126,18 @@ def terms() -> dict[str, torch.Tensor]:
     return {"policy": torch.tensor(0.0), "value": torch.tensor(1.5)}
 
 
-def test_decoupled_ppo_formula() -> None:
+def test_token_tis_formula() -> None:
     mb = minibatch()
-    b, old, new = (mb[k].exp().tolist() for k in ("logprobs", "old_logprobs", "new_logprobs"))
-    adv = mb["adv"].tolist()
+    b, old, new = (mb[k].exp().tolist() for k in ("behaviour_logp", "old_logp", "logp"))
+    adv = mb["advantages"].tolist()
     want = np.mean([min(o / bb, 2.0) * ppo_term(n / o, a) for bb, o, n, a in zip(b, old, new, adv)])
-    out = DecoupledPPO().loss(terms(), mb)
+    out = TokenTIS().loss(terms(), mb)
     assert float(out["policy"]) == pytest.approx(want, rel=1e-5) and float(out["value"]) == 1.5
 
 
 def test_dual_clip_formula() -> None:
     mb = minibatch()
-    mb["new_logprobs"] = mb["logprobs"] + torch.log(torch.tensor([5.0, 5.0, 2.0, 0.5]))  # r vs behaviour
+    mb["logp"] = mb["behaviour_logp"] + torch.log(torch.tensor([5.0, 5.0, 2.0, 0.5]))  # r vs behaviour
     # A = 1, r = 5: clipped at 1.2; A = -2, r = 5: PPO term 10, dual clip bounds it at 3 * 2; A = 0.5, r = 2:
     # clipped; A = -1, r = 0.5: PPO term 0.8 (clipped side), below 3: unchanged
     want = np.mean([-1.2, 6.0, -0.6, 0.8])
@@ -169,7 +173,7 @@ def test_vtrace_formula() -> None:
     assert (vs1 - values).squeeze(-1).tolist() == pytest.approx([gae0, gae1, gae2], rel=1e-5)
     # the loss: the clipped surrogate around the learner's pi_old
     mb = minibatch()
-    old, new, adv_mb = mb["old_logprobs"].exp().tolist(), mb["new_logprobs"].exp().tolist(), mb["adv"].tolist()
+    old, new, adv_mb = mb["old_logp"].exp().tolist(), mb["logp"].exp().tolist(), mb["advantages"].tolist()
     want = np.mean([ppo_term(n / o, x) for o, n, x in zip(old, new, adv_mb)])
     assert float(VTrace().loss(terms(), mb)["policy"]) == pytest.approx(want, rel=1e-5)
 
@@ -213,7 +217,7 @@ def test_same_seed_same_rows() -> None:
     rows = []
     for global_seed in (123, 456):
         torch.manual_seed(global_seed)
-        run = task.build("smoke", 3, DecoupledPPO())
+        run = task.build("smoke", 3, TokenTIS())
         rows.append([run.step(i >= 2) for i in range(4)])
     assert all(same_rows(x, y) for x, y in zip(*rows))
     assert rows[0][3]["behaviour_kl"] > 0

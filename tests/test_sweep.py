@@ -11,20 +11,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import TOY
-
-from suite import registry
-from suite.api import REFERENCE_METHODS
+from stabench.suite import registry
+from stabench.suite.api import REFERENCE_METHODS
 
 pytestmark = pytest.mark.smoke
 
 ROOT = Path(__file__).resolve().parents[1]
-STABILIZER = f"{ROOT}/examples/my_stabilizer.py:AdvantageClip"
+STABILIZER = f"{ROOT}/examples/my_stabilizer.py:SpikeSkip"
 DETECTOR = f"{ROOT}/examples/my_detector.py:JumpDetector"
 TASKS = tuple(n for n in registry.names("task") if not registry.get_task(n).experimental)
 
 
 def stabench(*argv, timeout=900):
-    return subprocess.run([sys.executable, "-m", "suite.cli", *argv], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "stabench.suite.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def folder_digest(folder: Path) -> dict[str, str]:
 
 
 def methods_of(task) -> set[str]:
-    extra = {"advantage-clip"} if registry.make_stabilizer(STABILIZER).applies_to(task.trainer) else set()
+    extra = {"spike-skip"} if registry.make_stabilizer(STABILIZER).applies_to(task) else set()
     return set(task.methods) | set(REFERENCE_METHODS) | extra  # a default sweep runs both references too
 
 
@@ -93,21 +93,21 @@ def test_walkthrough_score_submit_verify_leaderboard(smoke_sweep, tmp_path):
     out, _ = smoke_sweep
     proc = stabench("score", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "advantage-clip" in proc.stdout and "jump" in proc.stdout and "matched-fix" in proc.stdout
+    assert "spike-skip" in proc.stdout and "jump" in proc.stdout and "matched-fix" in proc.stdout
     board = tmp_path / "leaderboard.csv"
-    proc = stabench("submit", str(out), "--method", "advantage-clip", "--detector", "jump", "--leaderboard", str(board))
+    proc = stabench("submit", str(out), "--method", "spike-skip", "--detector", "jump", "--leaderboard", str(board))
     assert proc.returncode == 0, proc.stderr
     rows = pd.read_csv(board)
-    assert list(rows.name) == ["advantage-clip", "jump"] and list(rows.track) == ["stabilizer", "detector"]
+    assert list(rows.name) == ["spike-skip", "jump"] and list(rows.track) == ["stabilizer", "detector"]
     assert (rows.tier == "smoke").all() and (rows.n_seeds == 2).all()
-    assert (tmp_path / "LEADERBOARD.md").read_text().count("advantage-clip") == 1
+    assert (tmp_path / "LEADERBOARD.md").read_text().count("spike-skip") == 1
     before = board.read_bytes()
-    again = stabench("submit", str(out), "--method", "advantage-clip", "--leaderboard", str(board))
+    again = stabench("submit", str(out), "--method", "spike-skip", "--leaderboard", str(board))
     assert again.returncode == 2 and "duplicate" in again.stderr and board.read_bytes() == before
     check = stabench("verify", str(out), "--leaderboard", str(board))
     assert check.returncode == 0 and "0 mismatches" in check.stdout, check.stdout + check.stderr
     shown = stabench("leaderboard", "--leaderboard", str(board))
-    assert shown.returncode == 0 and "advantage-clip" in shown.stdout
+    assert shown.returncode == 0 and "spike-skip" in shown.stdout
 
 
 def _free_port() -> int:
@@ -158,7 +158,7 @@ def test_run_on_a_ray_cluster_started_with_ray_start_head(tmp_path):
 
 def cli(capsys, *argv) -> tuple[int, str, str]:
     """The CLI in this process (the leaderboard commands start no Ray, so this is safe and fast)."""
-    from suite.cli import main
+    from stabench.suite.cli import main
 
     capsys.readouterr()
     code = main(list(argv))
@@ -243,8 +243,8 @@ def test_eight_concurrent_submissions_all_land(smoke_sweep, tmp_path):
     board = tmp_path / "leaderboard.csv"
     detectors = ["threshold", "calibrated-threshold", "cusum", "page-hinkley", "never", "always", "random", "jump"]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "suite.cli", "submit", str(out), "--detector", d, "--leaderboard",
-                          str(board)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-m", "stabench.suite.cli", "submit", str(out), "--detector", d,
+                          "--leaderboard", str(board)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for d in detectors
     ]
     for p in procs:

@@ -10,10 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-
-from baselines.grpo import GRPO, GRPOConfig, aggregate, token_weights
-from suite.api import Stabilizer, TrainState
-from suite.diagnostics import (
+from stabench.baselines.grpo import GRPO, GRPOConfig, aggregate, token_weights
+from stabench.suite.api import Stabilizer, TrainState
+from stabench.suite.diagnostics import (
     DIAGNOSTICS,
     categorical_entropy,
     effective_sample_size,
@@ -21,7 +20,7 @@ from suite.diagnostics import (
     gradient_variance,
     ratio_tails,
 )
-from tasks.tokens import tiny_policy
+from stabench.tasks.tokens import tiny_policy
 
 pytestmark = pytest.mark.smoke
 

@@ -12,12 +12,11 @@ import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.kl_estimators import KLk1InReward, KLk2InLoss, KLMaxInLoss
-from suite.api import Stabilizer
-from suite.diagnostics import exact_kl, kl_estimators
-from tasks import kl_estimator_bias as task_module
-from tasks.tokens import all_answers_logp, prefix_logp, tiny_policy
+from stabench.baselines.stabilizers.kl import KLk1InReward, KLk2InLoss, KLMaxInLoss
+from stabench.suite.api import Stabilizer
+from stabench.suite.diagnostics import exact_kl, kl_estimators
+from stabench.tasks import kl_estimator_bias as task_module
+from stabench.tasks.tokens import all_answers_logp, prefix_logp, tiny_policy
 
 pytestmark = pytest.mark.smoke
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-
-from baselines.stabilizers.critic_warmup import CriticWarmup, PPOEntropyBonus
-from baselines.token_ppo import PrefixCritic, gae, terminal_rewards
-from suite.api import StabenchError, Stabilizer
-from tasks import value_cold_start as vcs
-from tasks.tokens import sample_answers, tiny_policy
+from stabench.baselines.stabilizers.critics import CriticWarmup
+from stabench.baselines.stabilizers.entropy import EntropyBonus
+from stabench.baselines.token_ppo import PrefixCritic, gae, terminal_rewards
+from stabench.suite.api import StabenchError, Stabilizer
+from stabench.tasks import value_cold_start as vcs
+from stabench.tasks.tokens import sample_answers, tiny_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -110,7 +110,8 @@ def test_critic_warmup_keeps_only_the_value_loss_after_a_reset() -> None:
     new_values = torch.tensor([[1.0, 2.0], [0.0, 0.5]], requires_grad=True)
     batch = {
         "critic_age": torch.tensor(3), "critic_resets": torch.tensor(1), "new_values": new_values,
-        "returns": torch.tensor([[1.0, 1.0], [0.0, 0.0]]), "token_weight": torch.full((2, 2), 0.25),
+        "mc_returns": torch.tensor([[1.0, 1.0], [0.0, 0.0]]), "token_weight": torch.full((2, 2), 0.25),
+        "returns": torch.full((2, 2), 9.0),  # the trainer's bootstrapped targets: the warm-up must not read them
     }  # fmt: skip
     terms = {"policy": torch.tensor(5.0), "value": torch.tensor(7.0), "entropy": torch.tensor(-1.0)}
     fix = CriticWarmup()
@@ -123,8 +124,10 @@ def test_critic_warmup_keeps_only_the_value_loss_after_a_reset() -> None:
 
 def test_entropy_guard_adds_the_bonus() -> None:
     batch = {"entropy": torch.tensor([[1.0, 0.5]]), "token_weight": torch.tensor([[0.5, 0.5]])}
-    out = PPOEntropyBonus().loss({"policy": torch.tensor(1.0), "entropy": torch.tensor(0.0)}, batch)
-    assert float(out["entropy"]) == pytest.approx(-0.05 * 0.75) and float(out["policy"]) == 1.0
+    out = EntropyBonus().loss({"policy": torch.tensor(1.0), "entropy": torch.tensor(0.0)}, batch)
+    assert float(out["entropy_bonus"]) == pytest.approx(-0.05 * 0.75) and float(out["policy"]) == 1.0
+    assert float(out["entropy"]) == 0.0  # added beside the trainer's own entropy term, not in its place
+    assert EntropyBonus().applies_to(vcs.ValueColdStart())
 
 
 @pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 10_000}, {"critic_scale": 0.0},

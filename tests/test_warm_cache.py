@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stabench.tasks import tokens
+from stabench.tasks.tokens import warm_start
 from torch import nn
-
-from tasks import tokens
-from tasks.tokens import warm_start
 
 pytestmark = pytest.mark.smoke
 
@@ -60,7 +59,7 @@ def test_off_and_unwritable_caches_still_train(tmp_path, monkeypatch) -> None:
 
 
 def test_a_task_warm_start_from_the_cache_equals_a_fresh_one(tmp_path, monkeypatch) -> None:
-    from tasks import kl_estimator_bias as kl
+    from stabench.tasks import kl_estimator_bias as kl
 
     monkeypatch.setenv("STABENCH_CACHE", str(tmp_path))
     fresh = warm_start("kl-estimator-bias/reference", kl._warm_up_reference, kl.__file__)

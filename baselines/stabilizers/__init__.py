@@ -1,1 +1,12 @@
-"""The papers' fixes (and named non-fixes) as stabilizers, one file each."""
+"""The papers' fixes and the plain guards, organized by what they do, one implementation each.
+
+clipping.py        the policy term's clip (clip-higher, dual-clip) and gradient-norm clipping
+entropy.py         entropy bonus
+kl.py              the KL term to a reference: estimator placement (kl-k2, kl-max, kl-k1-reward), KL anchors
+importance.py      importance-sampling corrections for stale or mismatched samplers (token-tis, turn-is, vtrace)
+aggregation.py     aggregation and baseline of the policy term (constant-norm, dr-grpo)
+architecture.py    network changes (multiskip-residual, markovian-chunks)
+critics.py         value estimates (mini-critics, critic-warmup, chain)
+representation.py  feature regularizers (isotropic-gaussian)
+reward_models.py   learned-reward ensembles (conservative-ensemble)
+"""

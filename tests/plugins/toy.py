@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
-
-from suite.api import Budget, DetectorSpec, Diverged, GroundTruth, Stabilizer, Task, TrainState
-from suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, Diverged, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DIAGNOSTICS
 
 
 class ToyModel(torch.nn.Module):

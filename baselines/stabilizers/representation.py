@@ -1,7 +1,7 @@
 """Isotropic Gaussian features (Saheb et al. 2026, "Stable deep RL via isotropic Gaussian representations"):
-the matched fix of the `representation-collapse` task, and a plain entropy guard as its named non-fix.
+a regularizer on the features the policy head reads.
 
-`isotropic-gaussian` (SIGReg-style regularizer). The features z are the input of the policy head (the trunk's
+The features z are the input of the policy head (the trunk's
 output that both heads read). Each minibatch draws M = 16 fresh random unit directions u_m, projects the
 batch on them, s = z u_m, and compares the empirical characteristic function of each projection with the
 standard normal's on 8 points t in [-5, 5]:
@@ -16,22 +16,16 @@ The features are read without touching the trainer: the `model` hook registers a
 the policy head that keeps its input when it carries a gradient (the minibatch forwards, not the no-grad
 rollout), and the `loss` hook consumes it. The directions come from a counter-seeded generator, so a run
 is deterministic and `copy.deepcopy` branches it completely (the kept features are never copied).
-
-`entropy-bonus` (named non-fix). Multiplies the trainer's entropy term by 5 (PPO's 0.01 becomes 0.05). It
-keeps the policy from going deterministic without touching the geometry of the features: if it does as
-well as the regularizer, the failure runs through entropy, not through the representation.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from stabench.suite.api import Stabilizer
 from torch import nn
-
-from suite.api import Stabilizer
 
 N_DIRECTIONS = 16
 T_POINTS = torch.linspace(-5.0, 5.0, 8)
@@ -84,7 +78,7 @@ class IsotropicGaussian(Stabilizer):
     """lam x the isotropic Gaussian characteristic-function loss on the policy head's input, per minibatch."""
 
     name = "isotropic-gaussian"
-    trainers = frozenset({"ppo"})
+    trainers = frozenset({"ppo"})  # it taps the `policy` head of the PPO tasks' actor-critic
     lam: float = 5.0
     n_directions: int = N_DIRECTIONS
     seed: int = 0
@@ -110,16 +104,3 @@ class IsotropicGaussian(Stabilizer):
         terms = dict(terms)
         terms["isotropic"] = self.lam * isotropic_gaussian_loss(z.reshape(-1, z.shape[-1]), directions)
         return terms
-
-
-class EntropyBonus(Stabilizer):
-    """The trainer's entropy term times `factor` (PPO: ent_coef 0.01 -> 0.05)."""
-
-    name = "entropy-bonus"
-    trainers = frozenset({"ppo"})
-    factor: float = 5.0
-
-    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if "entropy" not in terms or not math.isfinite(self.factor):
-            return terms
-        return {**terms, "entropy": self.factor * terms["entropy"]}

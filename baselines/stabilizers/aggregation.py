@@ -1,0 +1,61 @@
+"""How the policy term is aggregated and baselined: against the length bias of per-sequence normalization.
+
+Per-sequence normalization (GRPO's `aggregation="seq-mean"`) weighs answer i's tokens by 1 / (N |o_i|):
+
+    L = -(1/N) sum_i A_i (1/|o_i|) sum_t log pi(o_i,t).
+
+With A_i < 0 (a wrong answer under a baseline that leaves negative advantages, e.g. the batch mean on a
+prompt nobody can solve) the push-down on a long answer is diluted by its length: minimizing L rewards
+length (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO).
+
+- `constant-norm`: the trainer's policy term aggregated with a constant, sum_{i,t} s_i,t mask_i,t / (N L_max):
+  every action weighs the same whatever the length of its answer, so the objective is the unbiased policy
+  gradient up to a constant factor. Only the aggregation changes (the KL term keeps the trainer's). Where the
+  trainer already takes a plain mean over fixed-length batches (PPO), it is the trainer's own term.
+- `dr-grpo`: constant normalization plus the group-mean baseline without std division, A_i = R_i - mean_group R
+  (Dr. GRPO). A group whose rewards are all equal then gets A = 0 and no length pressure at all. Needs groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, trainer_ratio
+from stabench.suite.api import Stabilizer
+
+
+def constant_normalized_policy_loss(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The trainer's clipped policy term, sum(per_action * mask) / mask.numel()."""
+    per_action = policy_term(trainer_ratio(batch), batch["advantages"], batch["clip_low"], batch["clip_high"])
+    mask = batch["mask"]
+    return (per_action * mask).sum() / mask.numel()
+
+
+def group_centred(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """R_i - mean over i's group of R: [B] from per-answer rewards and group indices."""
+    n = int(group.max()) + 1
+    total = torch.zeros(n).index_add_(0, group, rewards)
+    count = torch.zeros(n).index_add_(0, group, torch.ones_like(rewards))
+    return rewards - (total / count)[group]
+
+
+class ConstantNorm(Stabilizer):
+    """Constant normalization of the policy term (the unbiased token aggregation of Dr. GRPO)."""
+
+    name = "constant-norm"
+    needs = POLICY_KEYS | {"mask"}
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {**terms, "policy": constant_normalized_policy_loss(batch)}
+
+
+class DrGRPO(ConstantNorm):
+    """Dr. GRPO: A_i = R_i - mean_group R (no std division), and constant normalization of the policy term."""
+
+    name = "dr-grpo"
+    needs = ConstantNorm.needs | {"group", "rewards"}
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        centred = group_centred(batch["rewards"].float(), batch["group"])
+        return centred[:, None] * batch["mask"]

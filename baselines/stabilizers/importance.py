@@ -1,0 +1,135 @@
+"""Importance-sampling corrections for actions another policy sampled (a stale actor, an inference engine).
+
+Notation, per action: q (`behaviour_logp`) the policy that really sampled it (the lagged actor, the sampler);
+pi_old (`old_logp`) the learner at the start of the update; pi_theta (`logp`, with grad) the policy being
+optimized; A the advantage; w the trainer's aggregation weights. Every trainer's own term is the clipped
+surrogate against q, s = max(-A r, -A clip(r)), r = pi_theta / q (`clipping.policy_term`): what an
+asynchronous pipeline that reuses the stored log-probs computes. Where the learner sampled (GRPO,
+token-PPO), q = pi_old and the corrections below reduce to the trainer's term.
+
+- `token-tis` (decoupled PPO, Hilton et al. 2022; verl's token-level truncated importance sampling): the
+  trust region around pi_old, the off-policyness corrected by a detached, truncated weight per action,
+      L = sum_t w_t min(pi_old / q, C) max(-A r', -A clip(r')),   r' = pi_theta / pi_old,   C = 2.
+- `turn-is` (after SORL / ST-PPO, Li et al. 2025; multi-turn trainers): the sampler's off-policyness corrected
+  once per turn, by the turn's truncated likelihood ratio (the turn is the action the tool answers):
+      w_k  = min(prod_{t in k} pi_old / q, C), C = 2                  (turn-level truncated IS, detached)
+      r'_t = pi_theta / pi_old                                        (token-level trust region)
+  and clipping-triggered normalization (our reading of the paper's clipping-bias correction, whose exact
+  formula is not public in code): the minibatch's clipping bias b = sum_t w_t |r'_t - clip(r'_t)| (zero
+  until the clip triggers) scales the step down, L = sum_t w_t w_k s_t / (1 + sg(b)). Options:
+  `geometric = True` takes SORL's geometric mean for w_k; `turn_ratio = True` puts the trust region at the
+  turn level too (SORL's Turn-PPO ratio). Both measured worse on rare-tool-states (that task's docstring).
+- `vtrace` (Espeholt et al. 2018, IMPALA; step-wise rollouts with a critic, PPO): once per iteration (the
+  `rollout` hook) value targets and advantages are recomputed with truncated importance weights
+  rho_t = min(pi_old / q, 1) and c_t = lambda min(pi_old / q, 1):
+      v_t = V_t + delta_t + gamma c_t (v_{t+1} - V_{t+1}),  delta_t = rho_t (r_t + gamma V_{t+1} - V_t),
+      A_t = rho_t (r_t + gamma v_{t+1} - V_t),
+  episode ends cutting the recursion as in the trainer's GAE, V the learner's values. The critic regresses
+  on v_t, and the policy term is the clipped surrogate around pi_old: sum_t w_t max(-A r', -A clip(r')).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from stabench.baselines.stabilizers.clipping import POLICY_KEYS, aggregate, policy_term
+from stabench.suite.api import Stabilizer
+
+
+class TokenTIS(Stabilizer):
+    name = "token-tis"
+    needs = POLICY_KEYS | {"old_logp"}
+    max_weight: float = 2.0  # C
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weight = torch.exp(batch["old_logp"] - batch["behaviour_logp"]).clamp(max=self.max_weight).detach()
+        ratio = torch.exp(batch["logp"] - batch["old_logp"])
+        per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
+        return {**terms, "policy": aggregate(weight * per_action, batch)}
+
+
+def turn_mean(values: torch.Tensor, turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` over the masked tokens of each (episode, turn), broadcast back to its tokens: [b, P]."""
+    n_turns = int(turn.max()) + 1
+    onehot = torch.nn.functional.one_hot(turn, n_turns).to(values.dtype) * mask[..., None]  # [b, P, K]
+    sums = (values[..., None] * onehot).sum(1)  # [b, K]
+    counts = onehot.sum(1).clamp_min(1)
+    return ((sums / counts)[:, None, :] * onehot).sum(-1)
+
+
+def turn_size(turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Number of masked tokens in each token's (episode, turn), broadcast to its tokens: [b, P]."""
+    onehot = torch.nn.functional.one_hot(turn, int(turn.max()) + 1).to(mask.dtype) * mask[..., None]
+    return (onehot.sum(1)[:, None, :] * onehot).sum(-1)
+
+
+class TurnLevelIS(Stabilizer):
+    name = "turn-is"
+    needs = POLICY_KEYS | {"old_logp", "turn", "mask"}
+    max_weight: float = 2.0  # C
+    geometric: bool = False  # True: the turn weight is the geometric mean of the token ratios (SORL's turn ratio)
+    turn_ratio: bool = False  # True: the trust-region ratio at the turn level too (SORL's Turn-PPO ratio)
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mask, turn, weights = batch["mask"], batch["turn"], batch["token_weight"]
+        low, high = batch["clip_low"], batch["clip_high"]
+        log_ratio = batch["logp"] - batch["old_logp"]
+        rho = torch.exp(turn_mean(log_ratio, turn, mask) if self.turn_ratio else log_ratio)
+        log_w = turn_mean(batch["old_logp"] - batch["behaviour_logp"], turn, mask)
+        if not self.geometric:
+            log_w = log_w * turn_size(turn, mask)  # mean x count = the turn's summed log-ratio: a product of ratios
+        weight = torch.exp(log_w).clamp(max=self.max_weight).detach()
+        per_token = policy_term(rho, batch["advantages"], low, high)
+        bias = ((rho - rho.clamp(1 - low, 1 + high)).abs() * weights).sum().detach()  # 0 until clipping triggers
+        terms["policy"] = (weight * per_token * weights).sum() / (1 + bias)
+        return terms
+
+
+def vtrace(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
+           next_done: torch.Tensor, log_rho: torch.Tensor, gamma: float, lam: float,
+           rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace targets and policy-gradient advantages over a T x N rollout (CleanRL's done convention:
+    `dones[t]` marks that obs t starts a new episode). Returns (targets v_t, advantages A_t), both T x N."""
+    T = rewards.shape[0]
+    rho = torch.exp(log_rho)
+    rho_t, c_t = rho.clamp(max=rho_bar), lam * rho.clamp(max=c_bar)
+    vs = torch.zeros_like(values)
+    adv = torch.zeros_like(values)
+    acc = torch.zeros_like(next_value)  # v_{t+1} - V_{t+1}
+    for t in reversed(range(T)):
+        if t == T - 1:
+            nonterminal, v_next = 1.0 - next_done, next_value
+        else:
+            nonterminal, v_next = 1.0 - dones[t + 1], values[t + 1]
+        delta = rho_t[t] * (rewards[t] + gamma * v_next * nonterminal - values[t])
+        acc = delta + gamma * c_t[t] * nonterminal * acc
+        vs[t] = values[t] + acc
+    for t in range(T):
+        if t == T - 1:
+            nonterminal, vs_next = 1.0 - next_done, next_value
+        else:
+            nonterminal, vs_next = 1.0 - dones[t + 1], vs[t + 1]
+        adv[t] = rho_t[t] * (rewards[t] + gamma * vs_next * nonterminal - values[t])
+    return vs, adv
+
+
+class VTrace(Stabilizer):
+    name = "vtrace"
+    needs = POLICY_KEYS | {"old_logp", "values", "returns", "rewards", "dones"}
+
+    def rollout(self, batch: dict[str, torch.Tensor], info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        T, N = info["num_steps"], info["num_envs"]
+
+        def grid(key: str) -> torch.Tensor:
+            return batch[key].reshape(T, N)
+
+        vs, adv = vtrace(grid("rewards"), grid("values"), grid("dones"), info["next_value"], info["next_done"],
+                         grid("old_logp") - grid("behaviour_logp"), info["gamma"], info["gae_lambda"])
+        return {**batch, "returns": vs.reshape(-1), "advantages": adv.reshape(-1)}
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ratio = torch.exp(batch["logp"] - batch["old_logp"])
+        per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
+        return {**terms, "policy": aggregate(per_action, batch)}

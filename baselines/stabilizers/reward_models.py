@@ -1,0 +1,74 @@
+"""Against reward hacking of a learned proxy: a conservative reward-model ensemble.
+
+Setting (tasks/reward_hacking.py): the policy is trained on a learned reward, an ensemble of M reward models
+whose per-answer predictions reach the trainer's batch as `reward_ensemble` [B, M] (the task provides the
+key). Where the models were fitted (the policy's recent answers) they agree; off that support their
+extrapolations differ, and a policy that maximizes the ensemble mean is drawn to exactly the answers where
+the mean over-estimates.
+
+- `conservative-ensemble` (uncertainty-weighted optimization, Coste et al. 2023): the reward of answer i is
+      R_i = mean_m r_im - k * std_m r_im      (std over the M members, unbiased, M - 1 in the denominator)
+  and the advantage is recomputed from it as GRPO does, A_i = (R_i - mean_group R) / (std_group R + 1e-4)
+  (1e-4 is GRPOConfig's default adv_eps), broadcast over the answer's tokens. Plus the `kl-k2-anchor`
+  (`kl.py`): 0.05 k2 in place of the trainer's KL term. k2's expected gradient is the per-token reverse
+  KL(pi || ref); the trainer's default k3 follows the forward KL and barely resists mass moving onto tokens
+  the reference finds rare, which is where a hacking policy goes here. The anchor alone is the plain guard
+  the fix is ablated against.
+- Without the anchor (`ConservativeEnsembleNoAnchor`, not registered; run it by plugin reference
+  `stabench.baselines.stabilizers.reward_models:ConservativeEnsembleNoAnchor`): the same advantages, the
+  trainer's own KL term untouched. The ablation that says which part of the fix does the work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+from stabench.baselines.stabilizers.kl import KLk2Anchor
+from stabench.suite.api import Stabilizer
+
+ADV_EPS = 1e-4  # GRPOConfig.adv_eps
+
+
+def conservative_reward(ensemble: torch.Tensor, k: float) -> torch.Tensor:
+    """mean - k * std over the members (last axis) of per-answer predictions [B, M]: [B]."""
+    return ensemble.mean(-1) - k * ensemble.std(-1)
+
+
+def group_normalized(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """(R - mean_group R) / (std_group R + ADV_EPS), groups given by an index per answer (unbiased std)."""
+    n = int(group.max()) + 1
+    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
+    mean = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, rewards) / count
+    centred = rewards - mean[group]
+    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, centred**2) / (count - 1).clamp_min(1)
+    return centred / (var.sqrt()[group] + ADV_EPS)
+
+
+def conservative_advantages(batch: Mapping[str, torch.Tensor], k: float, dtype: torch.dtype) -> torch.Tensor:
+    """Group-normalized advantages of mean - k * std of the ensemble, broadcast over each answer's tokens."""
+    reward = conservative_reward(batch["reward_ensemble"].double(), k)
+    return (group_normalized(reward, batch["group"]).float()[:, None] * batch["mask"]).to(dtype)
+
+
+class ConservativeEnsemble(KLk2Anchor):
+    """Advantages from mean - k * std of the reward-model ensemble, plus the k2 anchor."""
+
+    name = "conservative-ensemble"
+    needs = KLk2Anchor.needs | {"reward_ensemble", "group", "mask"}
+    k: ClassVar[float] = 4.0
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return conservative_advantages(batch, self.k, advantages.dtype)
+
+
+class ConservativeEnsembleNoAnchor(Stabilizer):
+    """The ablation: the conservative advantages, the trainer's own KL term left as it is."""
+
+    name = "conservative-ensemble-no-anchor"
+    needs = frozenset({"reward_ensemble", "group", "mask"})
+    k: ClassVar[float] = ConservativeEnsemble.k
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return conservative_advantages(batch, self.k, advantages.dtype)

@@ -1,0 +1,336 @@
+"""The contract between trainers, stabilizers and the harness, checked on the real trainers and registries.
+
+- every trainer hands its `loss` hook the batch keys `suite.api.TRAINER_KEYS` promises, with `logp` and
+  `entropy` carrying the graph in the policy-gradient trainers;
+- a gradient set to None in `after_backward` means "no update" in every trainer, and the diagnostics still
+  see the raw gradients;
+- `applies_to` follows `needs`; the method matrix plans a trial or an identity for every (task, method);
+  `collect` copies the baseline's rows for identities; scoring ranks over the common task set;
+- packaging: one `stabench` package, environments registered lazily, trainers independent of tasks;
+- the README's example stabilizer applies to every task and runs on every trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import TOY
+from scipy import stats
+from stabench.suite import registry, runner, scoring
+from stabench.suite.api import TRAINER_KEYS, StabenchError, Stabilizer, provided_keys
+from stabench.suite.runner import ExperimentSpec
+from stabench.suite.trial import TrialSpec, run_trial
+
+pytestmark = pytest.mark.smoke
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = f"{Path(__file__).parent / 'plugins' / 'contract.py'}:RecordAndSkip"
+SPIKE_SKIP = f"{ROOT / 'examples' / 'my_stabilizer.py'}:SpikeSkip"
+# one real task per trainer, at the smoke tier
+TASK_OF_TRAINER = {
+    "ppo": "parallel-staleness",
+    "grpo": "kl-estimator-bias",
+    "token-ppo": "value-cold-start",
+    "tool-ppo": "rare-tool-states",
+    "dqn": "policy-churn",
+}
+POLICY_GRADIENT = ("ppo", "grpo", "token-ppo", "tool-ppo")
+ITERATIONS = 3  # healthy iterations stepped per run (DQN's first iteration only fills its replay buffer)
+
+
+def policy_of(trainer) -> torch.nn.Module:
+    """The network the trainer's optimizer updates and `after_backward` edits."""
+    return trainer.policy if hasattr(trainer, "policy") else trainer.model
+
+
+@functools.cache
+def contract_run(trainer_name: str) -> dict:
+    """One smoke-tier run of the trainer's task under `RecordAndSkip`, stepped `ITERATIONS` healthy iterations.
+
+    Returns the stabilizer's records, the TrainStates the trainer returned, and the policy's parameters after
+    each iteration (and at build)."""
+    task = registry.get_task(TASK_OF_TRAINER[trainer_name])
+    assert task.trainer == trainer_name
+    torch.manual_seed(0)
+    stabilizer = registry.make_stabilizer(CONTRACT)
+    run = task.build("smoke", 0, stabilizer)
+    states = []
+    iterate = run.trainer.iterate
+
+    def recording_iterate(*args, **kwargs):
+        state = iterate(*args, **kwargs)
+        states.append(state)
+        return state
+
+    run.trainer.iterate = recording_iterate  # the TrainState the task's diagnostics read
+    snapshot = lambda: copy.deepcopy(policy_of(run.trainer).state_dict())  # noqa: E731
+    params = [snapshot()]
+    calls = []
+    for _ in range(ITERATIONS):
+        run.step(False)
+        params.append(snapshot())
+        calls.append(len(stabilizer.inner.loss_calls))
+    return {"task": task, "stabilizer": stabilizer.inner, "states": states, "params": params, "calls": calls,
+            "policy": policy_of(run.trainer)}
+
+
+@pytest.mark.parametrize("trainer_name", list(TASK_OF_TRAINER))
+def test_the_loss_hook_receives_every_key_of_the_trainer_schema(trainer_name: str) -> None:
+    result = contract_run(trainer_name)
+    required = TRAINER_KEYS[trainer_name] - result["task"].provides  # batch keys; task capabilities skipped
+    calls = result["stabilizer"].loss_calls
+    assert calls, "the loss hook was never called"
+    for call in calls:
+        missing = sorted(required - call["keys"])
+        assert not missing, f"{trainer_name}: the loss hook's batch lacks {missing}"
+        if trainer_name in POLICY_GRADIENT:
+            assert {"logp", "entropy"} <= call["requires_grad"], f"{trainer_name}: {sorted(call['requires_grad'])}"
+            assert "policy" in call["terms"]
+
+
+@pytest.mark.parametrize("trainer_name", list(TASK_OF_TRAINER))
+def test_a_none_gradient_means_no_update_in_every_trainer(trainer_name: str) -> None:
+    result = contract_run(trainer_name)
+    stab, params, calls = result["stabilizer"], result["params"], result["calls"]
+    # the hook ran on the iterations compared (DQN starts updating once its buffer holds enough)
+    assert calls[-1] > calls[0] and stab.skipped == calls[-1]
+    first, last = params[1], params[-1]
+    assert first.keys() == last.keys()
+    changed = [k for k in first if not torch.equal(first[k], last[k])]
+    assert not changed, f"{trainer_name}: parameters moved although every gradient was None: {changed[:5]}"
+
+
+@pytest.mark.parametrize("trainer_name", list(TASK_OF_TRAINER))
+def test_diagnostics_see_the_raw_gradients(trainer_name: str) -> None:
+    result = contract_run(trainer_name)
+    state = result["states"][-1]
+    assert state.grads, f"{trainer_name}: TrainState.grads is empty"
+    assert any(float(g.abs().sum()) > 0 for g in state.grads.values())  # raw, although the hook zeroed them
+    names = {n for n, _ in result["policy"].named_parameters()}
+    assert set(state.grads) <= names
+    assert all(p.grad is None for p in result["policy"].parameters())  # the hook's edit did take effect
+    assert result["stabilizer"].nonzero_grads_seen > 0
+
+
+# ---- where a stabilizer applies -------------------------------------------------------------------------------
+class NeedsRef(Stabilizer):
+    name = "needs-ref"
+    needs = frozenset({"ref_logp"})
+
+
+class NeedsEnsemble(Stabilizer):
+    name = "needs-ensemble"
+    needs = frozenset({"reward_ensemble"})
+
+
+def all_tasks():
+    return [registry.get_task(n) for n in registry.names("task")]
+
+
+def test_applies_to_follows_needs() -> None:
+    tasks = all_tasks()
+    trainers = {t.trainer for t in tasks}
+    assert {"grpo", "ppo"} <= trainers
+    for task in tasks:
+        assert NeedsRef().applies_to(task) == (task.trainer == "grpo"), task.id
+        assert NeedsEnsemble().applies_to(task) == (task.id == "reward-hacking"), task.id
+        assert registry.make_stabilizer("markovian-chunks").applies_to(task) == (task.id == "length-explosion")
+        assert Stabilizer().applies_to(task)  # the baseline needs nothing
+        assert provided_keys(task) == TRAINER_KEYS[task.trainer] | task.provides
+
+
+def test_every_builtin_stabilizer_applies_somewhere() -> None:
+    tasks = all_tasks()
+    for name in registry.BUILTIN_STABILIZERS:
+        stab = registry.make_stabilizer(name)
+        assert any(stab.applies_to(t) for t in tasks), name
+    # `trainers` narrows by hand: the network rebuild only where the PPO tasks' actor-critic is
+    fix = registry.make_stabilizer("multiskip-residual")
+    assert {t.trainer for t in tasks if fix.applies_to(t)} == {"ppo"}
+
+
+# ---- the method matrix ----------------------------------------------------------------------------------------
+def test_the_matrix_plans_a_trial_or_an_identity_for_every_task_and_method() -> None:
+    tasks = ("kl-estimator-bias", "parallel-staleness")
+    trials, identities = ExperimentSpec(tier="smoke", tasks=tasks, matrix=True, seeds=1).plan()
+    everything = set(registry.names("stabilizer"))
+    for task in tasks:
+        ran = {t.method for t in trials if t.task == task}
+        idle = {m for t, cell, m in identities if t == task}
+        assert ran | idle == everything and not ran & idle, task
+        assert "baseline" in ran
+        assert all(t.seed == 0 and t.tier == "smoke" for t in trials if t.task == task)
+        obj = registry.get_task(task)
+        assert all(registry.make_stabilizer(m).applies_to(obj) for m in ran)
+        assert not any(registry.make_stabilizer(m).applies_to(obj) for m in idle)
+    assert ("kl-estimator-bias", "", "vtrace") in identities
+    assert ("parallel-staleness", "", "kl-max") in identities
+    assert not any(t.task == "kl-estimator-bias" and t.method == "vtrace" for t in trials)
+    assert any(t.task == "parallel-staleness" and t.method == "vtrace" for t in trials)
+    with pytest.raises(StabenchError, match="matrix"):
+        ExperimentSpec(tier="smoke", tasks=tasks, matrix=True, methods=("baseline",)).plan()
+    with pytest.raises(StabenchError, match="does not apply to task"):
+        ExperimentSpec(tier="smoke", tasks=("parallel-staleness",), methods=("baseline", "kl-max")).plan()
+
+
+class FakeCheckpoint:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @contextmanager
+    def as_directory(self):
+        yield str(self.folder)
+
+
+class FakeResult:
+    """What `collect` reads of a Ray Tune result: the trial's config, its checkpoint, metrics and error."""
+
+    def __init__(self, spec: TrialSpec, folder: Path) -> None:
+        self.config = {"trial": {**asdict(spec), "knobs": list(spec.knobs)}}
+        self.checkpoint = FakeCheckpoint(folder)
+        self.metrics = {"seconds": 0.5}
+        self.error = None
+
+
+def test_collect_copies_the_baselines_rows_for_an_identity(tmp_path: Path) -> None:
+    task_ref = f"{TOY}:ToyTask"
+    expected = [TrialSpec(task_ref, "baseline", seed, "smoke", detectors=()) for seed in (0, 1)]
+    results = []
+    for spec in expected:
+        folder = tmp_path / f"seed{spec.seed}"
+        folder.mkdir()
+        run_trial(spec).to_parquet(folder / "rows.parquet", index=False)
+        results.append(FakeResult(spec, folder))
+    table, trials = runner.collect(results, expected, {}, [(task_ref, "", "grad-clip")])
+    base = table[table["method"] == "baseline"].reset_index(drop=True)
+    copies = table[table["method"] == "grad-clip"].reset_index(drop=True)
+    assert len(base) == len(copies) > 0 and set(table["method"]) == {"baseline", "grad-clip"}
+    assert base["acts"].eq(True).all() and copies["acts"].eq(False).all()
+    assert copies["method_ref"].eq("grad-clip").all()
+    assert copies["role"].eq(registry.get_task(task_ref).role("grad-clip")).all()
+    own = ["method", "method_ref", "role", "acts"]
+    pd.testing.assert_frame_equal(base.drop(columns=own), copies.drop(columns=own))
+    assert sorted(trials.loc[trials["status"] == "identity", "seed"]) == [0, 1]
+    assert set(trials.loc[trials["status"] == "identity", "method"]) == {"grad-clip"}
+    assert trials.loc[trials["method"] == "baseline", "status"].eq("ok").all() and len(trials) == 4
+
+
+# ---- scoring over the common task set -------------------------------------------------------------------------
+def test_aggregate_ranks_over_the_common_tasks_and_lists_where_a_method_acts() -> None:
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def add(task: str, method: str, acts: bool, values) -> None:
+        rows.extend({"task": task, "method": method, "seed": s, "variant": v, "acts": acts, "normalized_return": x}
+                    for s, x in enumerate(values) for v in ("injected", "control"))
+
+    base = {t: rng.normal(0.5, 0.2, 4) for t in ("a", "b", "c")}
+    for t, values in base.items():
+        add(t, "baseline", True, values)
+    for t in ("a", "b"):
+        add(t, "full", True, rng.normal(0.8, 0.1, 4))
+        add(t, "partial", True, rng.normal(0.9, 0.1, 4))
+    add("c", "full", False, base["c"])  # does not act on c: the baseline's runs, copied
+    per_run = pd.DataFrame(rows)
+    assert scoring.common_tasks(per_run) == ["a", "b", "c"]
+    agg = {r["method"]: r for r in scoring.aggregate(per_run)}
+    full, partial = agg["full"], agg["partial"]
+    assert full["ranked"] and full["n_tasks"] == 3 and full["acts_on"] == ["a", "b"]
+    assert not partial["ranked"] and partial["n_tasks"] == 2 and partial["acts_on"] == ["a", "b"]
+    assert agg["baseline"]["ranked"] and agg["baseline"]["acts_on"] == ["a", "b", "c"]
+    injected = per_run[(per_run["variant"] == "injected") & (per_run["method"] == "full")]
+    assert full["iqm"] == pytest.approx(float(stats.trim_mean(injected["normalized_return"], 0.25)))
+    assert math.isfinite(full["probability_of_improvement"])
+
+
+def test_detector_runs_leave_out_the_copies_of_the_baseline() -> None:
+    task_ref = f"{TOY}:ToyTask"
+    base = pd.concat([run_trial(TrialSpec(task_ref, "baseline", s, "smoke")) for s in (0, 1)], ignore_index=True)
+    fix = pd.concat([run_trial(TrialSpec(task_ref, f"{TOY}:ToyFix", s, "smoke")) for s in (0, 1)],
+                    ignore_index=True)
+    copies = base.assign(method="grad-clip", method_ref="grad-clip", role="other", acts=False)
+    table = pd.concat([base.assign(acts=True), fix.assign(acts=True), copies], ignore_index=True)
+    counts = scoring.detector_runs(table)["method"].value_counts().to_dict()
+    assert set(counts) == {"baseline", "toy-fix"} and counts["baseline"] == counts["toy-fix"] > 0
+    n_detectors = scoring.detector_runs(table).query("method == 'baseline'")["detector"].nunique()
+    assert counts["baseline"] == n_detectors * 2 * 2  # detectors x seeds x variants
+    # the filter is what removes them: without the `acts` column the copies count as runs
+    assert scoring.detector_runs(table.drop(columns="acts"))["method"].value_counts()["grad-clip"] == counts["baseline"]
+
+
+# ---- packaging --------------------------------------------------------------------------------------------------
+def test_one_installed_package_with_lazily_registered_environments(tmp_path: Path) -> None:
+    code = (
+        "import importlib.util, sys\n"
+        "import gymnasium as gym\n"
+        "import stabench\n"
+        "assert 'stabench.tasks.grids' not in sys.modules, 'a task module was imported eagerly'\n"
+        "env = gym.make('stabench/EmptyFlat-5x5-v0')\n"
+        "obs, _ = env.reset(seed=0)\n"
+        "assert obs.shape == (147,), obs.shape\n"
+        "for name in ('suite', 'tasks', 'baselines'):\n"
+        "    assert importlib.util.find_spec(name) is None, name\n"
+        "print('ok', stabench.__version__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok 0.3.0"
+
+
+def test_environment_table_matches_the_task_modules() -> None:
+    import gymnasium as gym
+    import stabench.tasks
+    from stabench.tasks import policy_churn, representation_collapse
+
+    envs = stabench.tasks.ENVIRONMENTS
+    churn = envs[policy_churn.ENV_ID][1]
+    assert churn == {"size": policy_churn.SIZE, "max_steps": policy_churn.MAX_STEPS}
+    assert policy_churn.ENV_ID == f"stabench/EmptyRandomFlat-{policy_churn.SIZE}x{policy_churn.SIZE}-v0"
+    two_goals = envs[representation_collapse.ENV_ID][1]
+    assert two_goals == {"size": representation_collapse.SIZE, "max_steps": representation_collapse.MAX_STEPS}
+    assert set(stabench.tasks.WORLDS) <= set(envs) and len(stabench.tasks.WORLDS) == 2
+    for env_id, (entry_point, kwargs) in envs.items():
+        spec = gym.spec(env_id)
+        assert spec.entry_point == entry_point and spec.kwargs == kwargs
+        env = gym.make(env_id)
+        env.reset(seed=0)
+        env.close()
+
+
+def test_trainers_do_not_import_tasks() -> None:
+    files = sorted((ROOT / "baselines").rglob("*.py"))
+    assert len(files) > 5
+    for path in files:
+        text = path.read_text()
+        for needle in ("stabench.tasks", "from tasks", "import tasks"):
+            assert needle not in text, f"{path.relative_to(ROOT)} mentions {needle!r}"
+
+
+# ---- the README's example stabilizer --------------------------------------------------------------------------
+def test_the_readme_example_applies_to_every_task() -> None:
+    stab = registry.make_stabilizer(SPIKE_SKIP)
+    assert stab.name == "spike-skip" and registry.method_name(SPIKE_SKIP) == "spike-skip"
+    assert all(stab.applies_to(t) for t in all_tasks())
+
+
+@pytest.mark.parametrize("task_name", list(TASK_OF_TRAINER.values()))
+def test_the_readme_example_runs_on_every_trainer(task_name: str) -> None:
+    table = run_trial(TrialSpec(task_name, SPIKE_SKIP, 0, "smoke", detectors=()))
+    budget = registry.get_task(task_name).budget("smoke")
+    assert (table["status"] == "ok").all(), table["error"].unique()
+    assert set(table["method"]) == {"spike-skip"} and set(table["variant"]) == {"injected", "control"}
+    assert len(table) == 2 * budget.iterations
