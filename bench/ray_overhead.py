@@ -2,6 +2,7 @@
 
     python bench/ray_overhead.py                      # quick tier, the 4 default tasks' baselines, 2 seeds
     python bench/ray_overhead.py --tasks parallel-staleness --methods baseline,vtrace --seeds 4 --workers 2
+    python bench/ray_overhead.py --methods default --seeds 5 --turns ray,pool --no-prime   # the quick tier itself
     python bench/ray_overhead.py --scaling 1,2,4,8,16  # the sweep through Ray at each worker count (a big machine)
 
 Both sides run the same `TrialSpec` list with the same number of workers, one CPU and one torch thread per
@@ -54,7 +55,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tier", default="quick")
     parser.add_argument("--tasks", default="entropy-collapse,kl-estimator-bias,reward-hacking,parallel-staleness")
-    parser.add_argument("--methods", default="baseline")
+    parser.add_argument("--methods", default="baseline", help="comma-separated, or `default`: each task's own")
+    parser.add_argument("--turns", default="ray,pool,pool,ray", help="the order of the timed runs (one block)")
+    parser.add_argument("--no-prime", action="store_true", help="skip the priming runs; use the usual warm-start cache")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="ABBA blocks")
@@ -65,15 +68,16 @@ def main() -> None:
     from stabench.suite.runner import ExperimentSpec
 
     tasks = tuple(args.tasks.split(","))
-    methods = None if args.matrix else tuple(args.methods.split(","))
+    methods = None if args.matrix or args.methods == "default" else tuple(args.methods.split(","))
     spec = ExperimentSpec(tier=args.tier, tasks=tasks, methods=methods, seeds=args.seeds, matrix=args.matrix)
     specs = spec.trials()
     argv = ["--tier", args.tier, "--tasks", args.tasks, "--seeds", str(args.seeds)]
-    argv += ["--matrix"] if args.matrix else ["--methods", args.methods]
+    argv += ["--matrix"] if args.matrix else [] if methods is None else ["--methods", args.methods]
     print(f"{len(specs)} trials ({args.tier} tier; {args.tasks}; {'matrix' if args.matrix else args.methods}; "
           f"{args.seeds} seeds)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["STABENCH_CACHE"] = f"{tmp}/cache"
+        if not args.no_prime:
+            os.environ["STABENCH_CACHE"] = f"{tmp}/cache"
         if args.scaling:
             counts = [int(c) for c in args.scaling.split(",")]
             ray_run(argv, counts[-1], f"{tmp}/prime")
@@ -82,10 +86,11 @@ def main() -> None:
                 print(f"Ray, {c:2d} workers: {wall:7.1f} s, {len(specs) / wall:.2f} trials/s, "
                       f"speed-up {walls[counts[0]] / wall:.2f}x over {counts[0]}", flush=True)
             return
-        print(f"priming (untimed): pool {pool_run(specs, args.workers):.1f} s, "
-              f"Ray {ray_run(argv, args.workers, f'{tmp}/prime'):.1f} s", flush=True)
+        if not args.no_prime:
+            print(f"priming (untimed): pool {pool_run(specs, args.workers):.1f} s, "
+                  f"Ray {ray_run(argv, args.workers, f'{tmp}/prime'):.1f} s", flush=True)
         times: dict[str, list[float]] = {"ray": [], "pool": []}
-        for i, side in enumerate(["ray", "pool", "pool", "ray"] * args.repeats):
+        for i, side in enumerate(args.turns.split(",") * args.repeats):
             wall = ray_run(argv, args.workers, f"{tmp}/ray{i}") if side == "ray" else pool_run(specs, args.workers)
             times[side].append(wall)
             print(f"{side:4s}: {wall:6.1f} s, {len(specs) / wall:.3f} trials/s", flush=True)

@@ -372,7 +372,11 @@ def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, lo
 # ---- the failure-mode x stabilizer matrix (`stabench run --matrix`) ------------------------------------
 
 ROLE_ORDER = {"baseline": 0, "matched-fix": 1, "other": 2, "reference": 3}
-MATRIX_CLASSES = ("specific", "broad", "narrow", "harms", "helps nowhere")
+MATRIX_CLASSES = ("specific", "broad", "narrow", "harms", "helps nowhere", "reference")
+# A gain counts as help (or harm) when its 95% interval excludes 0 AND it is at least this large (a tenth of the
+# distance from the frozen policy to the optimum) or, for help, it also saves at least half of the runs from
+# failing. Paired seeds make tiny float-level differences "significant".
+MIN_GAIN = 0.1
 
 
 def load_matrix(folder: Path | None) -> tuple[pd.DataFrame | None, str]:
@@ -458,18 +462,28 @@ def matrix_cells(per_run: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame
 
 
 def classify(cells: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame:
-    """Per method (the baseline excluded): the tasks it significantly helps (gain interval above 0) and harms
-    (interval below 0), counting only tasks where it acts, and its class: `specific` (helps, and only on tasks
-    whose matched fix it is), `broad` (helps on 2+ tasks, not all of them its own), `narrow` (helps on one task
-    whose matched fix it is not), `harms` (helps nowhere, harms somewhere), `helps nowhere`."""
+    """Per method (the baseline excluded): the tasks it helps (gain interval above 0, and gain >= MIN_GAIN or at
+    least half of the runs saved from failing: n_failed at most the baseline's minus n_runs / 2) and
+    harms (interval below 0 and gain <= -MIN_GAIN), counting only tasks where it acts, and its class: `specific`
+    (helps, and only on tasks whose matched fix it is), `broad` (helps on 2+ tasks, not all of them its own),
+    `narrow` (helps on one task whose matched fix it is not), `harms` (helps nowhere, harms somewhere), `helps
+    nowhere`; the learners that do not learn are class `reference` (they beat a baseline that ends below the
+    policy frozen at onset, which says what the baseline lost, not that not learning stabilizes)."""
     rows = []
     methods = [m for m in cells["method"].drop_duplicates() if m != "baseline"]
     for method in methods:
         mine = cells[(cells["method"] == method) & cells["acts"]]
-        helps = sorted(mine.loc[mine["ci_low"] > 0, "task"])
-        harms = sorted(mine.loc[mine["ci_high"] < 0, "task"])
+        saved = pd.Series(False, index=mine.index)
+        if {"n_failed", "n_runs"} <= set(cells.columns):
+            base = cells[cells["method"] == "baseline"].set_index("task")["n_failed"]
+            saved = mine["task"].map(base) - mine["n_failed"] >= mine["n_runs"] / 2
+        helps = sorted(mine.loc[(mine["ci_low"] > 0) & ((mine["gain"] >= MIN_GAIN) | saved), "task"])
+        harms = sorted(mine.loc[(mine["ci_high"] < 0) & (mine["gain"] <= -MIN_GAIN), "task"])
         own = sorted(t for t, fix in matched.items() if fix == method)
-        if helps and set(helps) <= set(own):
+        is_reference = bool((cells.loc[cells["method"] == method, "role"] == "reference").any())
+        if is_reference:
+            kind = "reference"
+        elif helps and set(helps) <= set(own):
             kind = "specific"
         elif len(helps) >= 2:
             kind = "broad"
@@ -597,13 +611,16 @@ def matrix_values(cells: pd.DataFrame | None, classes: pd.DataFrame | None, fold
     broad = _names(classes, "broad", "helps")
     narrow = _names(classes, "narrow", "helps")
     nowhere = classes[classes["class"].isin(["helps nowhere", "harms"])]
+    compared = classes[classes["class"] != "reference"]
     values["value:matrix_broad"] = (
         (f"Broad (a significant gain on two or more tasks): {broad}." if broad else
          "No method is broad (a significant gain on two or more tasks).")
         + (f" Helping one task that is not its own: {narrow}." if narrow else "")
-        + f" {len(nowhere)} of the {len(classes)} methods help nowhere.")
-    harms = [f"`{r['method']}` ({r['harms']})" for _, r in classes.iterrows() if r["harms"]]
-    values["value:matrix_harms"] = (f"Harming (gain interval below 0): {', '.join(harms)}." if harms else
+        + f" {len(nowhere)} of the {len(compared)} stabilizers help nowhere (a gain counts when its 95% interval "
+        f"excludes 0 and it is at least {MIN_GAIN:g} or saves half of the runs from failing).")
+    harms = [f"`{r['method']}` ({r['harms']})" for _, r in compared.iterrows() if r["harms"]]
+    values["value:matrix_harms"] = (f"Harming (gain interval below 0, by at least {MIN_GAIN:g}): {', '.join(harms)}."
+                                    if harms else
                                     "No method significantly harms any task it acts on.")
     values["value:matrix_wall_time"] = matrix_wall_time(folder)
     values["table:matrix_classes"] = _markdown(classes)
@@ -620,6 +637,8 @@ def matrix_wall_time(folder: Path | None) -> str:
     trials = Path(folder) / "trials.csv"
     if trials.is_file():
         frame = pd.read_csv(trials)
+        if "status" in frame:  # identities are copies of the baseline's runs, not trials that ran
+            frame = frame[frame["status"] != "identity"]
         if "seconds" in frame and len(frame):
             parts.append(f"{len(frame)} trials took {_duration(frame['seconds'].sum())} of trial time in all")
     wall = None
@@ -629,7 +648,8 @@ def matrix_wall_time(folder: Path | None) -> str:
             wall = json.loads(manifest.read_text()).get("wall_seconds")
         except (ValueError, AttributeError):
             wall = None
-    parts.append(f"{_duration(float(wall))} of wall time" if wall is not None else "wall time not recorded")
+    parts.append(f"{_duration(float(wall))} of wall time" if wall is not None
+                 else "wall time not recorded in the run folder")
     return "The matrix: " + "; ".join(parts) + "."
 
 

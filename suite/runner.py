@@ -339,9 +339,13 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
     table, trials = collect(results, exp.trials, progress.retries, exp.identities)
     write_atomic(table, exp.out / METRICS)
     trials.to_csv(exp.out / TRIALS, index=False)
+    manifest = json.loads((exp.out / MANIFEST).read_text())
+    manifest["wall_seconds"] = round(time.time() - started, 1)  # this session's (a resumed run: the last one's)
+    (exp.out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     bad = trials[~trials["status"].isin(["ok", "identity"])]
     print(
-        f"stabench: {len(trials)} trials in {time.time() - started:.0f} s; {len(bad)} not ok; "
+        f"stabench: {int((trials['status'] != 'identity').sum())} trials in {time.time() - started:.0f} s "
+        f"({int((trials['status'] == 'identity').sum())} identities); {len(bad)} not ok; "
         f"{len(table)} rows -> {exp.out / METRICS}",
         file=sys.stderr,
     )

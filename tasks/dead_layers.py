@@ -94,6 +94,9 @@ One thread: 2.3-4.7 s per (method, seed) at quick on the quieter run of seeds 10
 5-14 s on the loaded run of seeds 0-9 (v1: 4.5-9 s). The full tier (110 updates, onset 40) was not re-calibrated for v2.
 Detector (chosen ONLY on seeds 100-109): total gradient norm above 100. On those runs every healthy and
 control update of every method stays at or below 30, and every baseline first injected update is 1882-5580.
+
+Suite 0.3.0 re-measured seeds 0-9 and 100-109: every return of every method equals 0.2.0's bit for bit
+(`multiskip-residual` and `grad-clip` now live in `architecture.py` and `clipping.py`); verdict unchanged.
 """
 
 from __future__ import annotations

@@ -78,6 +78,15 @@ there; -0.75 has no false alarm but misses a run). The frozen and no-update refe
 entropy fall: this diagnostic sees the collapse, not a learner that stopped.
 
 The full tier (100 iterations, onset 5) was not re-measured for this version.
+
+Suite 0.3.0 (one batch schema, stabilizers by function) re-measured on seeds 0-9 in the method matrix
+(`results/matrix`): the matched fix, `grpo-kl-anchor` until 0.2.0 and now `kl-anchor` (the same 0.3 * k3 term
+beside the trainer's beta), gives the same rows bit for bit: 0/10 fail, normalized 0.71 [0.66, 0.76]; the
+baseline fails 10/10 (control 0/10, 1.00); both references fail 10/10 (at most 0.09). The plain entropy guard
+changed: `grpo-entropy-bonus` (0.3 times a sampled-token surrogate) is gone, and the one `entropy-bonus` (0.05
+times the exact per-token entropy, every trainer) fails 9/10 here (0.25 [0.15, 0.35]): at that coefficient an
+entropy bonus does not stand in for the anchor. In the matrix `dr-grpo` (8/10 fail, 0.35) and `mini-critics`
+(7/10, 0.31) also raise the return without preventing the collapse.
 """
 
 from __future__ import annotations

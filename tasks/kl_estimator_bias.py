@@ -81,6 +81,12 @@ crossings (37-74 iterations after onset, seed 4's goal-learning spike aside); se
 after onset) falls just outside it. Unlike version 1, the k2/k3 ratio now separates too (baseline
 injected 2.6-2.8 post-onset, kl-max at most 1.42 after onset but up to 1.78 before it; seeds 100-109):
 the fix keeps the rare token near its optimum.
+
+Suite 0.3.0 re-measured on seeds 0-9 in the method matrix (`results/matrix`): rows of `kl-max`, `kl-k2`,
+`kl-k1-reward`, the baseline and both references are bit for bit those of 0.2.0 (baseline 10/10 fail, control
+0/10 at 0.84; kl-max 0/10, 0.83 [0.83, 0.84]; references 10/10). Of the other methods only `kl-anchor` (4/10
+fail) and `kl-k2-anchor` (6/10, and 2/10 control failures: an anchor of 0.05 k2 in place of beta k3 slows the
+goal learning) change the failure rate.
 """
 
 from __future__ import annotations

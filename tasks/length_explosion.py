@@ -76,6 +76,12 @@ Fresh seeds 100-109 (nobody tuned on them):
   baseline 100%, control 0%, 0.01 [-0.06, 0.08]; constant-norm 100%, control 0%, 0.16 [0.06, 0.24];
   frozen-at-onset 100%, -0.02 [-0.03, -0.00]; no-update 100%, 0.03. Controls' normalized return 0.54.
 One quick trial (healthy phase once, both branches) costs 7-10 (median 9) s on one thread of a loaded shared machine.
+
+Suite 0.3.0 re-measured seeds 0-9 and 100-109: the returns of the baseline, `constant-norm` (now one
+implementation for every trainer, the trainer's own ratio against the sampler's log-probs, which GRPO's
+old_logp is), `dr-grpo`, `markovian-chunks` and both references equal 0.2.0's bit for bit. The plain guard
+`token-entropy-bonus` (advantages minus 0.01 log pi) is retired for the one `entropy-bonus` (0.05 times the
+exact entropy in the loss): 10/10 fail, normalized 0.09 [0.04, 0.14].
 """
 
 from __future__ import annotations

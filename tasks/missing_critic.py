@@ -105,6 +105,12 @@ post-onset iterations is 0.20-1.04). Version 3 re-checked it on its own seeds 10
 with the same numbers: pre-onset peak 0.074, control peak 0.080 over all 53 post-onset iterations, every
 injected baseline run above 0.1 within 0-4 iterations of onset (maximum over the first 8 post-onset
 iterations 0.20-1.04); post-onset medians 0.106 injected baseline, 0.0018 its control, 0.011 mini-critics.
+
+Suite 0.3.0 (one batch schema, stabilizers by function) re-measured seeds 0-9 and 100-109: every return of the
+baseline, `mini-critics` and both references equals 0.2.0's bit for bit, so the verdict stands (fix 3/10 on
+fresh seeds). The named non-fix `grpo-entropy-bonus-low` (0.01 times a sampled-token surrogate) became
+`entropy-bonus-low` (0.01 times the exact per-token entropy, the one entropy bonus of every trainer): 8/10
+fail, normalized 0.10 [0.00, 0.25] on seeds 0-9 (was 10/10, -0.003).
 """
 
 from __future__ import annotations

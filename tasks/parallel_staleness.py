@@ -126,6 +126,12 @@ and not at lag 16 (0.22-0.24). More reuse does NOT hurt here, against the source
 rises with epochs (lag 4: 0.54 0.55 0.85; lag 16: 0.21 0.20 0.29), because the pull onto the actors' policy
 acts at any epoch count (post-onset learner entropy 1.02-1.05 in every lag-16 cell) while more epochs buy more
 progress per update. 254 CPU-s for the 54 trials.
+
+Suite 0.3.0 re-measured on seeds 0-9 in the method matrix (`results/matrix`): PPO now hands its hooks the
+shared schema (`behaviour_logp` for the stored log-probs, `old_logp` for the learner's), `decoupled-ppo` is
+the one `token-tis` (the same truncated weight min(pi_old / q, 2) around pi_old), and every row of the
+baseline, `vtrace`, `token-tis`, `dual-clip` and both references equals 0.2.0's. Baseline 10/10 fail (control
+0/10, 0.81); vtrace 0/10, 0.68 [0.60, 0.74]; token-tis 1/10, 0.33; references 10/10.
 """
 
 from __future__ import annotations

@@ -82,6 +82,11 @@ onset nor on a control (largest healthy value 0.28, largest control value 0.17, 
 Full (120 iterations, onset 40), seeds 0-2 only: baseline 0.03 0.03 0.04 (3/3 fail), chain 0.07 0.23 0.06
 (3/3), grad-clip 0.44 0.54 0.43 (2/3); controls 0.79-0.89, 0/3 each. One thread: 6-8 s per (method, seed)
 at quick (healthy phase plus both branches; CHAIN the slowest), 13-15 s at full.
+
+Suite 0.3.0: `chain` and `grad-clip` moved to `critics.py` and `clipping.py` unchanged; re-run at the quick
+tier (5 seeds): baseline 5/5 fail, chain 5/5, grad-clip 3/5, and `frozen-at-onset` 0/5 (normalized 0.71): the
+policy at onset already earns most of the post-onset return, so this task does not yet demand learning after
+onset; verdict unchanged.
 """
 
 from __future__ import annotations

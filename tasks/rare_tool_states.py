@@ -105,6 +105,10 @@ post-onset iteration, the control's maximum per seed is 0.09-0.33. The threshold
 those runs: the injected branch crosses it at onset or one iteration later on 10/10 seeds, the control on
 1/10; 0.25 would alarm on 2 controls, 0.33 misses the injected branch on one seed and crosses late (57, 108)
 on two. It flags the shift of the batch into mismatched states at onset, not which method will recover.
+
+Suite 0.3.0 re-measured seeds 0-9 and 100-109: `token-tis` is now one implementation with PPO's decoupled
+objective, `tool-dual-clip` is the one `dual-clip`, and every return of every method equals 0.2.0's bit for
+bit (verdict unchanged: the control fails 2/10 on fresh seeds).
 """
 
 from __future__ import annotations

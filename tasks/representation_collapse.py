@@ -89,6 +89,11 @@ plus both branches), about 120 CPU-seconds for the default 15 trials (reproduced
 Re-run 2026-11-23 after the PPO trainer moved to fused Adam (results/experimental/representation-collapse):
 baseline 5/5, control 0/5; isotropic 4/5 (control 5/5); entropy-bonus 5/5; normalized return 0.45 [0.42,
 0.49], 0.46 [0.42, 0.50], 0.45 [0.43, 0.48]. The per-seed figures above are the foreach run's.
+
+Suite 0.3.0: the named non-fix `entropy-bonus` is the one entropy bonus of every trainer, 0.05 times the exact
+entropy added beside PPO's own 0.01 (0.06 in all; until 0.2.0 it multiplied PPO's term by 5, 0.05 in all).
+Re-run at the quick tier (5 seeds, `results/experimental/representation-collapse`): baseline 5/5 fail,
+isotropic-gaussian 4/5 (its control 5/5), entropy-bonus 5/5 (normalized 0.46); verdict unchanged.
 """
 
 from __future__ import annotations

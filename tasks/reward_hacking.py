@@ -72,6 +72,15 @@ detector's score there: 24.9 at 0.35, 31.7 [29.4, 35.3] at 0.38 (no false alarm)
 16.2 at 0.50; hence 0.38. Replayed on seeds 0-9 it scores 40.9 with 10% false alarms (a control peaking at 0.39).
 KL drift (`kl_estimators`) rises in every run that learns, controls included (exact KL 5-8 nats at the end of the
 baseline's controls, 11-14 in hacking runs): the less specific signal.
+
+Suite 0.3.0 re-measured on seeds 0-9 in the method matrix (`results/matrix`). The KL anchor of the fix now
+enters through the `loss` hook (0.05 * sum(w * k2) in place of the trainer's KL term, one implementation
+with `kl-k2-anchor`) instead of the `kl_loss` hook; the value is the same up to the order of float sums, and
+the runs that follow differ (the largest return difference over seeds 0-9 is 1.4). Verdict unchanged:
+conservative-ensemble fails 1/10, normalized 0.80 [0.49, 1.18]; the baseline 10/10 (control 0/10, 1.00);
+references 10/10; `kl-k2-anchor` alone 10/10. The plain entropy guard is now `entropy-bonus` (0.05 exact
+entropy; it replaced `grpo-entropy-bonus`): 10/10 fail. `kl-anchor` (0.3 k3 beside the trainer's beta)
+fails 4/10 (0.36 [0.14, 0.61]): an anchor to the warm start helps here too, less than the ensemble.
 """
 
 from __future__ import annotations

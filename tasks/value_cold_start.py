@@ -57,6 +57,11 @@ success-only reward (1/4, one control fails). In prototypes with a later onset (
 policy had committed to one path (entropy 0.1-0.3), the task switch alone broke the control on some seeds:
 a committed policy cannot re-explore, which is not the critic's failure; hence the early onset, with the
 policy still broad.
+
+Suite 0.3.0: the plain guard `ppo-critic-entropy-bonus` is retired for the one `entropy-bonus` (0.05 times the
+exact entropy, added to token-PPO's own term, 0 here: the same loss); the critic-warmup now reads the
+Monte-Carlo return-to-go as `mc_returns` (`returns` holds the value targets, as in every trainer). Re-run at
+the quick tier (5 seeds): baseline 1/5 fail, critic-warmup 0/5, entropy-bonus 0/5; verdict unchanged.
 """
 
 from __future__ import annotations

@@ -72,7 +72,32 @@ def test_gains_are_paired_by_seed_with_an_interval_and_failure_rates(cells):
 def test_one_seed_gives_no_interval_and_nothing_significant():
     one = paper.matrix_cells(per_run().query("seed == 0"), MATCHED)
     assert one["ci_low"].isna().all()
-    assert set(paper.classify(one, MATCHED)["class"]) == {"helps nowhere"}
+    classes = paper.classify(one, MATCHED).set_index("method")["class"]
+    assert classes["no-update"] == "reference"
+    assert set(classes.drop("no-update")) == {"helps nowhere"}
+
+
+def test_a_tiny_gain_does_not_count_however_significant():
+    cells = pd.DataFrame([
+        {"task": "task-a", "method": "nudge", "role": "other", "acts": True, "gain": 0.02, "ci_low": 0.01,
+         "ci_high": 0.03},
+        {"task": "task-b", "method": "nudge", "role": "other", "acts": True, "gain": 0.3, "ci_low": 0.2,
+         "ci_high": 0.4},
+        {"task": "task-a", "method": "dent", "role": "other", "acts": True, "gain": -0.05, "ci_low": -0.06,
+         "ci_high": -0.04},
+    ])
+    classes = paper.classify(cells, {"task-a": "fix-a", "task-b": "fix-b"}).set_index("method")
+    assert classes.loc["nudge", "helps"] == "task-b" and classes.loc["nudge", "class"] == "narrow"
+    assert classes.loc["dent", "harms"] == "" and classes.loc["dent", "class"] == "helps nowhere"
+
+    # a small gain that saves at least half of the runs from failing does count
+    saver = pd.DataFrame([
+        {"task": "task-a", "method": "baseline", "role": "baseline", "acts": True, "gain": 0.0, "ci_low": 0.0,
+         "ci_high": 0.0, "n_failed": 10, "n_runs": 10},
+        {"task": "task-a", "method": "fix-a", "role": "matched-fix", "acts": True, "gain": 0.05, "ci_low": 0.04,
+         "ci_high": 0.06, "n_failed": 0, "n_runs": 10},
+    ])
+    assert paper.classify(saver, {"task-a": "fix-a"}).set_index("method").loc["fix-a", "class"] == "specific"
 
 
 def test_methods_are_classified_specific_broad_harms_and_helps_nowhere(cells):
@@ -106,7 +131,7 @@ def test_the_sentences_and_tables_are_computed(cells, tmp_path):
     assert "`fix-a` (task-a)" in values["value:matrix_specific"]
     assert "`wide` (task-a, task-b)" in values["value:matrix_broad"]
     assert "`bad` (task-a, task-b)" in values["value:matrix_harms"]
-    assert values["value:matrix_wall_time"] == "The matrix: wall time not recorded."
+    assert values["value:matrix_wall_time"] == "The matrix: wall time not recorded in the run folder."
     paper.write_matrix_tables(cells, classes, tmp_path)
     table = (tmp_path / "tables" / "matrix.md").read_text()
     assert "| task-a | fix-a | matched-fix | yes | +0.50 [" in table
