@@ -74,12 +74,9 @@ class ExperimentSpec:
         """Validate every name and build the grid; raises StabenchError before anything runs."""
         return self.plan()[0]
 
-    def identities(self) -> list[tuple[str, str, str]]:
-        """(task, cell, method) of every requested method that does not change the task's trainer: its runs
-        there are the baseline's (`collect` records them as copies with `acts` False)."""
-        return self.plan()[1]
-
     def plan(self) -> tuple[list[TrialSpec], list[tuple[str, str, str]]]:
+        """The trials, and the identities: (task, cell, method) of every requested method that does not change
+        the task's trainer, whose runs there are the baseline's (`collect` records them as copies, `acts` False)."""
         if self.matrix and self.methods is not None:
             raise StabenchError("--matrix runs every registered stabilizer: leave out --methods")
         out: list[TrialSpec] = []
