@@ -2,7 +2,10 @@
 
 One `iterate` call is one GRPO iteration:
 
-1. Rollout: for each of `n_groups` prompts sample `group_size` answers from the policy (no gradient).
+1. Rollout: for each of `n_groups` prompts sample `group_size` answers from the policy (no gradient), or
+   from `sampler`, an inference engine's copy of it (a module called like the policy, returning its own
+   logits for the same weights: mu). The learner recomputes pi_old itself and forms its term against
+   pi_old, never reading mu (verl's default): the factor pi_old / mu is left uncorrected.
 2. Reward each answer with the task's reward function: R_i, one scalar per answer. A reward function may
    return a dict instead: "reward" [B] and other per-answer tensors, which join the batch the hooks see
    (a reward-model ensemble's predictions, say).
@@ -12,7 +15,7 @@ One `iterate` call is one GRPO iteration:
    drops the division by the group std (Dr. GRPO).
 4. `epochs` passes over the batch, each in `minibatches` Adam steps on disjoint sets of whole groups
    (default 1 x 1: one on-policy update). Per token, with r = pi / pi_old:
-     policy term  -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
+     policy term  -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)   (r against `anchor_logp` = pi_old)
      KL term      k3 = exp(d) - 1 - d, d = log ref - log pi  (TRL's default regularizer),
                   through `stabilizer.kl_loss(k3, batch)`
    Each is aggregated over the minibatch's answer tokens as sum(per_token * token_weight), the weights
@@ -26,7 +29,8 @@ The batch the hooks receive follows `suite.api.BATCH_SCHEMA` ([B] per answer, [B
 B = n_groups * group_size): prompts [B, P], answers [B, L] (also as `actions`), mask [B, L] (1.0 on real answer tokens),
 rewards [B], group [B] (group index), logp [B, L] (log pi of the sampled tokens: detached in `advantages`,
 carrying the graph of the current update in `kl_loss` and `loss`), old_logp [B, L] (at sampling time),
-behaviour_logp [B, L] (the learner sampled: old_logp), ref_logp [B, L] (frozen reference), kl_coef (0-d
+behaviour_logp [B, L] (log mu under the sampler; old_logp when the learner sampled), anchor_logp [B, L]
+(old_logp: the term's denominator), ref_logp [B, L] (frozen reference), kl_coef (0-d
 tensor, beta). In `kl_loss` and `loss` the batch is the minibatch being updated and also holds advantages
 [B, L] (after the stabilizer), entropy [B, L] (per-token entropy with the graph), token_weight [B, L]
 (the aggregation weights: a stabilizer that rewrites the policy term aggregates it as
@@ -109,9 +113,11 @@ class GRPO:
         self.iteration = 0
         self.tokens = 0  # answer tokens generated so far
 
-    def iterate(self, reward_fn: RewardFn | None = None, prompts: torch.Tensor | None = None) -> TrainState:
+    def iterate(
+        self, reward_fn: RewardFn | None = None, prompts: torch.Tensor | None = None, sampler: nn.Module | None = None
+    ) -> TrainState:
         """One GRPO iteration. `reward_fn` overrides the trainer's reward for this iteration (an injection);
-        `prompts` [n_groups, P] default to BOS alone."""
+        `prompts` [n_groups, P] default to BOS alone; `sampler` (default: the policy itself) draws the answers."""
         cfg = self.config
         reward_fn = reward_fn or self.reward_fn
         if prompts is None:
@@ -119,7 +125,7 @@ class GRPO:
         prompts = prompts.repeat_interleave(cfg.group_size, dim=0)  # [B, P], group members adjacent
 
         # 1-2. Rollout and reward.
-        answers = sample_answers(self.policy, prompts, cfg.answer_len, cfg.n_actions, self.rng)
+        answers = sample_answers(sampler or self.policy, prompts, cfg.answer_len, cfg.n_actions, self.rng)
         mask = answer_mask(answers, cfg.eos_id)
         scored = reward_fn(prompts, answers)
         extra: dict[str, torch.Tensor] = {}
@@ -129,6 +135,9 @@ class GRPO:
         rewards = scored.float()
         with torch.no_grad():
             ref_logits = answer_logits(self.reference, prompts, answers, cfg.n_actions)
+            if sampler is not None:  # the sampler's own log-probs of its answers (before any learner forward)
+                mu_logits = answer_logits(sampler, prompts, answers, cfg.n_actions)
+                sampler_logp = torch.log_softmax(mu_logits, -1).gather(-1, answers[..., None]).squeeze(-1)
         ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, answers[..., None]).squeeze(-1)
 
         # 3. Group-normalized advantages, broadcast to tokens.
@@ -140,12 +149,14 @@ class GRPO:
         logits = answer_logits(self.policy, prompts, answers, cfg.n_actions)
         logp = torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1)
         old_logp = logp.detach()
-        sampling_logits = logits.detach()  # the policy that sampled the batch: what the diagnostics describe
+        sampling_logits = logits.detach()  # the learner at sampling time: what the diagnostics describe
+        behaviour_logp = old_logp if sampler is None else sampler_logp
         group = torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size)
         batch = {
             "prompts": prompts, "answers": answers, "actions": answers, "mask": mask, "rewards": rewards,
             "group": group,
-            "logp": old_logp, "old_logp": old_logp, "behaviour_logp": old_logp, "ref_logp": ref_logp,
+            "logp": old_logp, "old_logp": old_logp, "behaviour_logp": behaviour_logp, "anchor_logp": old_logp,
+            "ref_logp": ref_logp,
             "kl_coef": torch.tensor(cfg.beta), **extra,
         }  # fmt: skip
         adv = self.stabilizer.advantages(adv, batch).detach()
@@ -164,7 +175,7 @@ class GRPO:
                     logits = answer_logits(self.policy, mb["prompts"], mb["answers"], cfg.n_actions)
                     logp = torch.log_softmax(logits, -1).gather(-1, mb["answers"][..., None]).squeeze(-1)
                 mb["logp"], mb["entropy"] = logp, categorical_entropy(logits)
-                ratio = torch.exp(logp - mb["old_logp"])
+                ratio = torch.exp(logp - mb["anchor_logp"])
                 mb_adv = mb["advantages"]
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * mb_adv)
                 d = mb["ref_logp"] - logp

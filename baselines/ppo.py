@@ -211,6 +211,7 @@ class PPO:
             "obs": obs.reshape((self.batch_size,) + tuple(obs.shape[2:])),
             "actions": actions.reshape(-1),
             "behaviour_logp": logprobs.reshape(-1),
+            "anchor_logp": logprobs.reshape(-1),  # the clipped ratio is formed against the stored log-probs
             "values": values.reshape(-1),
             "advantages": advantages.reshape(-1),
             "returns": returns.reshape(-1),
@@ -242,7 +243,7 @@ class PPO:
                 mb = {key: v[idx] for key, v in batch.items()}
                 logits, newvalue = model(mb["obs"])
                 newlogprob, entropy = categorical_logprob_entropy(logits, mb["actions"])
-                logratio = newlogprob - mb["behaviour_logp"]
+                logratio = newlogprob - mb["anchor_logp"]
                 ratio = logratio.exp()
                 with torch.no_grad():
                     approx_kl = ((ratio - 1) - logratio).mean()  # Schulman's k3 estimator

@@ -196,7 +196,8 @@ class TokenPPO:
         batch = {
             "prompts": prompts, "answers": answers, "actions": answers, "mask": mask, "rewards": rewards,
             "logp": old_logp,
-            "old_logp": old_logp, "behaviour_logp": old_logp, "values": values, "returns": value_targets,
+            "old_logp": old_logp, "behaviour_logp": old_logp, "anchor_logp": old_logp,
+            "values": values, "returns": value_targets,
             "mc_returns": returns,
             "critic_age": torch.tensor(self.critic_age),
             "critic_resets": torch.tensor(self.critic_resets), **extra,
@@ -228,7 +229,7 @@ class TokenPPO:
                 entropy = categorical_entropy(new_logits)
                 new_values = self.critic(mb["prompts"], mb["answers"])
                 mb["logp"], mb["entropy"], mb["new_values"] = logp, entropy, new_values
-                ratio = torch.exp(logp - mb["old_logp"])
+                ratio = torch.exp(logp - mb["anchor_logp"])
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_coef, 1 + cfg.clip_coef) * mb_adv)
                 value_tok = 0.5 * (new_values - mb["returns"]).pow(2)
                 terms = {

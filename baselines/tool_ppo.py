@@ -120,6 +120,7 @@ class ToolPPO:
             "tool_mask": torch.stack(tool_mask, 1), "turn": turn, "rewards": rewards,
             "group": torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size),
             "behaviour_logp": torch.stack(behaviour_logp, 1),
+            "anchor_logp": torch.stack(behaviour_logp, 1),  # the term is formed against the engine's log-probs
         }  # fmt: skip
 
     def iterate(self, rare_prob: float) -> TrainState:
@@ -149,7 +150,7 @@ class ToolPPO:
                 mb["token_weight"] = mb["mask"] / mb["mask"].sum().clamp_min(1)
                 logp, logits = token_logp(self.policy, mb["inputs"], mb["actions"])
                 mb["logp"], mb["entropy"] = logp, categorical_entropy(logits)
-                ratio = torch.exp(logp - mb["behaviour_logp"])
+                ratio = torch.exp(logp - mb["anchor_logp"])
                 a = mb["advantages"]
                 policy_tok = torch.max(-a * ratio, -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
                 clip_fracs.append(float((((ratio - 1).abs() > cfg.clip_high).float() * mb["mask"]).mean()))

@@ -116,6 +116,9 @@ BATCH_SCHEMA: dict[str, str] = {
     "old_logp": "log pi_old(a): the learner's own log-prob at the start of the update (detached)",
     "behaviour_logp": "log-prob under what really sampled the action: the inference sampler or the lagged "
                       "actor; equals old_logp where the learner sampled (detached)",
+    "anchor_logp": "the denominator of the trainer's own ratio (detached): behaviour_logp where the trainer "
+                   "forms its term against the stored sampling log-probs (PPO, tool-PPO), old_logp where it "
+                   "recomputes them with the learner (GRPO, token-PPO: a sampler mismatch goes uncorrected)",
     "ref_logp": "log-prob under the frozen reference policy (trainers with a reference)",
     "advantages": "per-action advantage; in `loss`, exactly what the trainer's policy term uses (after the "
                   "`advantages` hook and any normalization)",
@@ -138,10 +141,10 @@ BATCH_SCHEMA: dict[str, str] = {
     "actions": "the taken actions",
 }
 # The policy term every trainer minimizes, per action: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
-# r = exp(logp - behaviour_logp), aggregated as sum(per_action * token_weight). A stabilizer that rewrites it
+# r = exp(logp - anchor_logp), aggregated as sum(per_action * token_weight). A stabilizer that rewrites it
 # reads the same keys and aggregates the same way.
-_PG = frozenset({"logp", "old_logp", "behaviour_logp", "advantages", "entropy", "mask", "token_weight",
-                 "clip_low", "clip_high", "rewards", "actions"})
+_PG = frozenset({"logp", "old_logp", "behaviour_logp", "anchor_logp", "advantages", "entropy", "mask",
+                 "token_weight", "clip_low", "clip_high", "rewards", "actions"})
 TRAINER_KEYS: dict[str, frozenset[str]] = {
     "ppo": _PG | {"values", "returns", "new_values", "dones", "obs"},
     "grpo": _PG | {"ref_logp", "kl_coef", "group", "prompts", "answers"},

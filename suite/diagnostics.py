@@ -304,3 +304,57 @@ def reward_disagreement(state: TrainState) -> dict[str, float]:
     if preds is None or preds.shape[0] < 2:
         return {"rm_disagreement": math.nan}
     return {"rm_disagreement": float(preds.detach().double().std(0).mean())}
+
+
+def engine_gap(behaviour_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The training-inference gap on the sampled tokens, as verl's rollout correction logs it.
+
+    With mu the sampler (`behaviour_logp`) and pi_old the learner (`old_logp`), over the masked tokens drawn
+    from mu, d = log pi_old - log mu:
+    `engine_kl` = E_mu[-d] (k1 estimate of KL(mu || pi_old)), `engine_k3` = E_mu[exp(d) - 1 - d] (k3, >= 0),
+    `engine_chi2` = E_mu[exp(2 d)] - 1 (chi-square divergence estimate of pi_old from mu),
+    `engine_prob_diff_max` = max |pi_old - mu| of a sampled token,
+    `engine_low_ratio` = share of tokens with pi_old / mu < 1e-2. All 0 when the learner sampled.
+    """
+    keep = mask > 0
+    d = (old_logp - behaviour_logp)[keep].double()
+    if d.numel() == 0:
+        return {k: float("nan") for k in ("engine_kl", "engine_k3", "engine_chi2", "engine_prob_diff_max",
+                                          "engine_low_ratio")}
+    diff = (old_logp.double().exp() - behaviour_logp.double().exp())[keep].abs()
+    return {
+        "engine_kl": float((-d).mean()),
+        "engine_k3": float((torch.expm1(d) - d).mean()),
+        "engine_chi2": float(torch.exp(2 * d).mean() - 1),
+        "engine_prob_diff_max": float(diff.max()),
+        "engine_low_ratio": float((d < math.log(1e-2)).double().mean()),
+    }
+
+
+@diagnostic("engine_gap")
+def engine_gap_of(state: TrainState) -> dict[str, float]:
+    """`engine_gap` of the iteration's batch (sampler `behaviour_logp` against the learner's `old_logp`)."""
+    b = state.batch
+    return engine_gap(b["behaviour_logp"], b["old_logp"], b["mask"])
+
+
+def live_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[n_groups] bool: True where a group's rewards are not all equal (group indices 0 .. n_groups - 1)."""
+    members = group[None, :] == torch.arange(int(group.max()) + 1)[:, None]  # [n_groups, B]
+    r = rewards.float()[None].expand_as(members)
+    return r.masked_fill(~members, -torch.inf).amax(1) > r.masked_fill(~members, torch.inf).amin(1)
+
+
+def group_signal(rewards: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
+    """How much of a batch of groups can compare anything: `zero_variance_share`, the share of groups whose
+    rewards are all equal (all correct or all wrong: zero group-relative advantage), and `effective_batch`,
+    the share of answers in the other groups."""
+    live = live_groups(rewards, group)
+    return {"zero_variance_share": float(1 - live.double().mean()),
+            "effective_batch": float(live[group].double().mean())}
+
+
+@diagnostic("group_signal")
+def group_signal_of(state: TrainState) -> dict[str, float]:
+    """`group_signal` of the iteration's batch (trainers with groups)."""
+    return group_signal(state.batch["rewards"], state.batch["group"])

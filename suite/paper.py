@@ -23,12 +23,14 @@ from stabench.suite.api import StabenchError
 
 PAPER = Path("paper")
 # The default suite's quick tier, the staleness grid, and the experimental tasks' runs: the older three at the
-# quick tier, the four that fell below the bar under the learning rule in their 10-seed calibration runs.
+# quick tier, the four that fell below the bar under the learning rule and the two of Zheng et al. 2025 in
+# their 10-seed calibration runs.
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
                    Path("results/experimental/representation-collapse"), Path("results/experimental/policy-churn"),
                    Path("results/experimental/value-cold-start"),
                    *(Path("results/calibration") / task / "seeds-0-9"
-                     for task in ("dead-layers", "missing-critic", "rare-tool-states", "length-explosion"))]
+                     for task in ("dead-layers", "missing-critic", "rare-tool-states", "length-explosion",
+                                  "inference-mismatch", "moe-routing"))]
 MATRIX = Path("results/matrix")  # `stabench run --matrix`: every stabilizer on every default task
 ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
 
@@ -352,6 +354,63 @@ def fig_latency(table: pd.DataFrame, out: Path) -> list[Path]:
         paths.append(path)
     plt.close(fig)
     return paths
+
+
+def _gap_against_return(rows: pd.DataFrame, column: str, label: str, out: Path, name: str) -> list[Path]:
+    """Left: the gap `column` over iterations (injected runs of every method). Right: one point per run, the
+    gap's post-onset mean against the normalized post-onset return, controls included (their gap is 0)."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = rows[~rows["method"].isin(["no-update", "frozen-at-onset"])]
+    task = rows["task"].iloc[0]
+    per_run = scoring.outcomes(rows)
+    post = rows[rows["phase"] == "post-onset"]
+    gap = post.groupby(["method", "seed", "variant"])[column].mean().rename("gap")
+    per_run = per_run.join(gap, on=["method", "seed", "variant"])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    injected = rows[rows["variant"] == "injected"]
+    sns.lineplot(injected, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=axes[0])
+    _onset(axes[0], injected)
+    axes[0].set_ylabel(label)
+    axes[0].set_title(f"{task}, injected runs (mean, 95% CI over seeds)")
+    sns.scatterplot(per_run, x="gap", y="normalized_return", hue="method", style="variant", ax=axes[1], s=30)
+    axes[1].axhline(0, **ONSET_STYLE)
+    axes[1].set_xlabel(f"{label}, post-onset mean")
+    axes[1].set_ylabel("normalized post-onset return")
+    axes[1].set_title("one point per run (0 = frozen at onset, 1 = the control)")
+    axes[1].legend(fontsize=7, loc="lower left")
+    return _save(fig, out, name)
+
+
+def fig_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside the policy's KL to the warm start: the silent groups leave the KL in charge."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    rows = _need(table, "degenerate-comparisons", "heldout_accuracy", "full_vocab_kl")
+    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, (column, label) in zip(axes, [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+                                          ("full_vocab_kl", "per-token KL(pi || warm start)")]):
+        sns.lineplot(rows, x="iteration", y=column, hue="run", errorbar=("ci", 95), ax=ax)
+        _onset(ax, rows)
+        ax.set_ylabel(label)
+    fig.suptitle("degenerate-comparisons (mean, 95% CI over seeds)")
+    return _save(fig, out, "16_degenerate_comparisons")
+
+
+def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "inference-mismatch", "engine_kl")
+    return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
+                               "14_inference_mismatch")
+
+
+def fig_moe_routing(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = _need(table, "moe-routing", "flip_engine")
+    return _gap_against_return(rows, "flip_engine", "share of routes flipped, engine vs learner", out,
+                               "15_moe_routing")
 
 
 def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, log: bool = False) -> list[Path]:
@@ -687,6 +746,9 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
     ("stabilizer leaderboard", fig_leaderboard),
     ("detection latency", fig_latency),
     ("failure-mode x stabilizer matrix", fig_method_matrix),
+    ("silent groups and the KL pull", fig_degenerate),
+    ("training-inference KL against return", fig_inference_mismatch),
+    ("route flips against return", fig_moe_routing),
 ]
 
 

@@ -29,6 +29,9 @@ BUILTIN_TASKS: dict[str, str] = {
     "entropy-collapse": "stabench.tasks.entropy_collapse:EntropyCollapse",
     "rare-tool-states": "stabench.tasks.rare_tool_states:RareToolStates",
     "length-explosion": "stabench.tasks.length_explosion:LengthExplosion",
+    "degenerate-comparisons": "stabench.tasks.degenerate_comparisons:DegenerateComparisons",
+    "inference-mismatch": "stabench.tasks.inference_mismatch:InferenceMismatch",
+    "moe-routing": "stabench.tasks.moe_routing:MoERouting",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -46,7 +49,11 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "dual-clip": "stabench.baselines.stabilizers.clipping:DualClip",
     "grad-clip": "stabench.baselines.stabilizers.clipping:GradClip",
     "token-tis": "stabench.baselines.stabilizers.importance:TokenTIS",
+    "seq-tis": "stabench.baselines.stabilizers.importance:SequenceTIS",
     "turn-is": "stabench.baselines.stabilizers.importance:TurnLevelIS",
+    "variance-filter": "stabench.baselines.stabilizers.aggregation:VarianceFilter",
+    "routing-replay": "stabench.baselines.stabilizers.routing:RolloutRoutingReplay",
+    "routing-replay-old": "stabench.baselines.stabilizers.routing:OldRoutingReplay",
     "vtrace": "stabench.baselines.stabilizers.importance:VTrace",
     "constant-norm": "stabench.baselines.stabilizers.aggregation:ConstantNorm",
     "dr-grpo": "stabench.baselines.stabilizers.aggregation:DrGRPO",

@@ -26,6 +26,9 @@ ENVIRONMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stabench/RareToolStates-v0": ("stabench.tasks.rare_tool_states:ToolCallEnv", {}),
     "stabench/RewardHacking-v0": ("stabench.tasks.reward_hacking:RewardHackingEnv", {}),
     "stabench/ValueColdStart-v0": ("stabench.tasks.value_cold_start:ChainEnv", {}),
+    "stabench/InferenceMismatch-v0": ("stabench.tasks.inference_mismatch:InferenceMismatchEnv", {}),
+    "stabench/DegenerateComparisons-v0": ("stabench.tasks.degenerate_comparisons:DegenerateComparisonsEnv", {}),
+    "stabench/MoERouting-v0": ("stabench.tasks.moe_routing:MoERoutingEnv", {}),
 }
 # The grid worlds a PPO task trains on (flattened MiniGrid rooms).
 WORLDS: tuple[str, ...] = ("stabench/EmptyFlat-5x5-v0", "stabench/EmptyFlat-8x8-v0")

@@ -181,3 +181,24 @@ class AnswerEnv(gym.Env):
         if done:
             reward = float(self.reward_fn(self.prompt, torch.tensor([self._tokens], dtype=torch.long))[0])
         return self._obs(), reward, done, False, {}
+
+
+class PromptedAnswerEnv(AnswerEnv):
+    """`AnswerEnv` with a prompt drawn at every reset from `prompts` [N, P] (each starting with BOS, id
+    `n_actions`). Observation: the prompt's tokens after BOS, then the answer so far padded with `n_actions`."""
+
+    def __init__(self, reward_fn: RewardFn, prompts: torch.Tensor, n_actions: int, length: int) -> None:
+        super().__init__(reward_fn, n_actions, length, prompts[:1])
+        self.prompts = prompts
+        size = prompts.shape[1] - 1 + length
+        self.observation_space = gym.spaces.MultiDiscrete(np.full(size, n_actions + 1, dtype=np.int64))
+
+    def _obs(self) -> np.ndarray:
+        head = self.prompt[0, 1:].cpu().numpy()
+        return np.concatenate([head, super()._obs()])
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        gym.Env.reset(self, seed=seed)
+        self.prompt = self.prompts[int(self.np_random.integers(len(self.prompts)))][None]
+        self._tokens = []
+        return self._obs(), {}

@@ -151,7 +151,7 @@ def test_branching_is_paired_and_deterministic() -> None:
 def test_clip_higher_formula_on_a_hand_computed_case() -> None:
     logp = torch.tensor([[math.log(1.5), math.log(1.25), math.log(0.5), math.log(1.1)]])
     batch = {
-        "logp": logp, "behaviour_logp": torch.zeros(1, 4), "advantages": torch.tensor([[1.0, 1.0, -1.0, -2.0]]),
+        "logp": logp, "anchor_logp": torch.zeros(1, 4), "advantages": torch.tensor([[1.0, 1.0, -1.0, -2.0]]),
         "token_weight": torch.full((1, 4), 0.25), "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2),
     }  # fmt: skip
     # ratios 1.5, 1.25, 0.5, 1.1: A>0 clipped at 1.28 and 1.25 (inside); A<0 clipped at 0.8 -> -min(-0.5, -0.8) = 0.8

@@ -106,7 +106,7 @@ def test_constant_norm_and_dr_grpo_on_a_hand_computed_batch() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     adv = torch.tensor([[-1.0] * 4, [-1.0, -1.0, 0.0, 0.0]])
     logp = torch.tensor([[-0.5, -1.0, -0.2, -0.3], [-0.4, -0.6, 0.0, 0.0]], requires_grad=True)
-    batch = {"logp": logp, "behaviour_logp": logp.detach(), "advantages": adv, "mask": mask,
+    batch = {"logp": logp, "anchor_logp": logp.detach(), "advantages": adv, "mask": mask,
              "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2)}  # fmt: skip
     policy = ConstantNorm().loss({"policy": torch.tensor(9.0)}, batch)["policy"]
     assert float(policy.detach()) == pytest.approx(6 / 8)  # sum of -ratio * A over the 6 real tokens / (2 x 4)

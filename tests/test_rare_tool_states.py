@@ -92,7 +92,8 @@ def test_branching_and_determinism() -> None:
 
 def _batch(logp: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor) -> dict:
     mask = torch.ones_like(logp)
-    return {"logp": logp, "old_logp": old, "behaviour_logp": behaviour, "advantages": adv, "mask": mask,
+    return {"logp": logp, "old_logp": old, "behaviour_logp": behaviour, "anchor_logp": behaviour,
+            "advantages": adv, "mask": mask,
             "turn": torch.tensor([[0, 1, 1, 1]]), "token_weight": mask / mask.sum(),
             "clip_low": torch.tensor(0.2), "clip_high": torch.tensor(0.2)}
 

@@ -108,6 +108,7 @@ def minibatch() -> dict[str, torch.Tensor]:
     """A PPO minibatch as the `loss` hook sees it (`suite.api.BATCH_SCHEMA`): token_weight 1 / size (a mean)."""
     return {
         "behaviour_logp": torch.log(torch.tensor([0.5, 0.1, 0.4, 0.2])),  # behaviour
+        "anchor_logp": torch.log(torch.tensor([0.5, 0.1, 0.4, 0.2])),  # PPO's term is formed against it
         "old_logp": torch.log(torch.tensor([0.5, 0.4, 0.1, 0.6])),  # learner at the update's start
         "logp": torch.log(torch.tensor([0.55, 0.5, 0.05, 0.9])),
         "advantages": torch.tensor([1.0, -2.0, 0.5, -1.0]),
@@ -137,7 +138,7 @@ def test_token_tis_formula() -> None:
 
 def test_dual_clip_formula() -> None:
     mb = minibatch()
-    mb["logp"] = mb["behaviour_logp"] + torch.log(torch.tensor([5.0, 5.0, 2.0, 0.5]))  # r vs behaviour
+    mb["logp"] = mb["anchor_logp"] + torch.log(torch.tensor([5.0, 5.0, 2.0, 0.5]))  # r vs the anchor
     # A = 1, r = 5: clipped at 1.2; A = -2, r = 5: PPO term 10, dual clip bounds it at 3 * 2; A = 0.5, r = 2:
     # clipped; A = -1, r = 0.5: PPO term 0.8 (clipped side), below 3: unchanged
     want = np.mean([-1.2, 6.0, -0.6, 0.8])

@@ -3,10 +3,12 @@
 clipping.py        the policy term's clip (clip-higher, dual-clip) and gradient-norm clipping
 entropy.py         entropy bonus
 kl.py              the KL term to a reference: estimator placement (kl-k2, kl-max, kl-k1-reward), KL anchors
-importance.py      importance-sampling corrections for stale or mismatched samplers (token-tis, turn-is, vtrace)
-aggregation.py     aggregation and baseline of the policy term (constant-norm, dr-grpo)
+importance.py      importance-sampling corrections for stale or mismatched samplers
+                   (token-tis, seq-tis, turn-is, vtrace)
+aggregation.py     aggregation and baseline of the policy term (constant-norm, dr-grpo, variance-filter)
 architecture.py    network changes (multiskip-residual, markovian-chunks)
 critics.py         value estimates (mini-critics, critic-warmup, chain)
 representation.py  feature regularizers (isotropic-gaussian)
+routing.py         Mixture-of-Experts routing replay (routing-replay: the sampler's routes, R3; routing-replay-old: R2)
 reward_models.py   learned-reward ensembles (conservative-ensemble)
 """

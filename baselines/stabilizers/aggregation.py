@@ -14,6 +14,12 @@ length (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO).
   trainer already takes a plain mean over fixed-length batches (PPO), it is the trainer's own term.
 - `dr-grpo`: constant normalization plus the group-mean baseline without std division, A_i = R_i - mean_group R
   (Dr. GRPO). A group whose rewards are all equal then gets A = 0 and no length pressure at all. Needs groups.
+- `variance-filter` (DAPO's dynamic-sampling filter, without the resampling): a group whose rewards are all
+  equal (all correct or all wrong) carries no comparison, so it leaves the batch: every term (the policy
+  term and the KL term) is aggregated over the other groups' actions only, their weights rescaled to the
+  trainer's total, w'_i = w_i 1[Var_group(R) > 0] sum_j w_j / sum_j w_j 1[Var_group(R) > 0]. A batch of
+  degenerate groups makes no update. DAPO also resamples prompts until the batch is full; that costs
+  sampling and is left to the task's budget.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, trainer_ratio
 from stabench.suite.api import Stabilizer
+from stabench.suite.diagnostics import live_groups
 
 
 def constant_normalized_policy_loss(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -59,3 +66,27 @@ class DrGRPO(ConstantNorm):
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         centred = group_centred(batch["rewards"].float(), batch["group"])
         return centred[:, None] * batch["mask"]
+
+
+class VarianceFilter(Stabilizer):
+    """Zero-variance groups leave every term; the rest keep the trainer's total weight (see the module)."""
+
+    name = "variance-filter"
+    needs = POLICY_KEYS | {"rewards", "group", "mask"}
+
+    def _rescale(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Per-action factor f with w' = f * w: 0 on degenerate groups, sum(w) / sum(kept w) elsewhere."""
+        keep = live_groups(batch["rewards"], batch["group"])[batch["group"]].float()
+        weights = batch["token_weight"]
+        keep = keep.view(-1, *([1] * (weights.dim() - 1))).expand_as(weights)
+        kept = (weights * keep).sum()
+        if float(kept) == 0.0:
+            return torch.zeros_like(weights)
+        return keep * weights.sum() / kept
+
+    def kl_loss(self, kl: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return kl * self._rescale(batch)
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        per_action = policy_term(trainer_ratio(batch), batch["advantages"], batch["clip_low"], batch["clip_high"])
+        return {**terms, "policy": (per_action * batch["token_weight"] * self._rescale(batch)).sum()}

@@ -2,10 +2,11 @@
 
 Every policy-gradient trainer minimizes, per action, the clipped surrogate
 
-    s = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),   r = exp(logp - behaviour_logp),
+    s = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),   r = exp(logp - anchor_logp),
 
-aggregated as sum(s * token_weight) (`suite.api.BATCH_SCHEMA`). `policy_term` and `aggregate` below are that
-computation, shared by every stabilizer that rewrites the term (here, `importance.py`, `aggregation.py`).
+aggregated as sum(s * token_weight) (`suite.api.BATCH_SCHEMA`; the anchor is the stored sampling log-prob
+in PPO and tool-PPO, the learner's recomputed pi_old in GRPO and token-PPO). `policy_term` and `aggregate`
+below are that computation, shared by every stabilizer that rewrites the term (here, `importance.py`, `aggregation.py`).
 
 - `clip-higher` (DAPO, Yu et al. 2025): the upper bound raised to 1 + 0.28, the lower kept at 1 - 0.2. A
   token with positive advantage may then raise its probability by 28% per batch instead of 20%, which DAPO
@@ -26,7 +27,7 @@ import torch
 from stabench.suite.api import Stabilizer
 from torch import nn
 
-POLICY_KEYS = frozenset({"logp", "behaviour_logp", "advantages", "token_weight", "clip_low", "clip_high"})
+POLICY_KEYS = frozenset({"logp", "anchor_logp", "advantages", "token_weight", "clip_low", "clip_high"})
 
 
 def policy_term(ratio: torch.Tensor, adv: torch.Tensor, low: torch.Tensor | float,
@@ -36,8 +37,8 @@ def policy_term(ratio: torch.Tensor, adv: torch.Tensor, low: torch.Tensor | floa
 
 
 def trainer_ratio(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The ratio every trainer's own policy term uses: pi_theta / the policy that sampled the action."""
-    return torch.exp(batch["logp"] - batch["behaviour_logp"])
+    """The ratio every trainer's own policy term uses: pi_theta / the trainer's anchor (`anchor_logp`)."""
+    return torch.exp(batch["logp"] - batch["anchor_logp"])
 
 
 def aggregate(per_action: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

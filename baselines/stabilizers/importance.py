@@ -3,13 +3,18 @@
 Notation, per action: q (`behaviour_logp`) the policy that really sampled it (the lagged actor, the sampler);
 pi_old (`old_logp`) the learner at the start of the update; pi_theta (`logp`, with grad) the policy being
 optimized; A the advantage; w the trainer's aggregation weights. Every trainer's own term is the clipped
-surrogate against q, s = max(-A r, -A clip(r)), r = pi_theta / q (`clipping.policy_term`): what an
-asynchronous pipeline that reuses the stored log-probs computes. Where the learner sampled (GRPO,
-token-PPO), q = pi_old and the corrections below reduce to the trainer's term.
+surrogate against its anchor (`anchor_logp`), s = max(-A r, -A clip(r)) (`clipping.policy_term`): in PPO and
+tool-PPO r = pi_theta / q, what an asynchronous pipeline that reuses the stored log-probs computes; in GRPO
+and token-PPO r = pi_theta / pi_old, the learner's recomputed log-probs, so a sampler that differs from the
+learner (an inference engine) goes uncorrected. Where the learner sampled, q = pi_old and the corrections
+below reduce to the trainer's term.
 
 - `token-tis` (decoupled PPO, Hilton et al. 2022; verl's token-level truncated importance sampling): the
   trust region around pi_old, the off-policyness corrected by a detached, truncated weight per action,
       L = sum_t w_t min(pi_old / q, C) max(-A r', -A clip(r')),   r' = pi_theta / pi_old,   C = 2.
+- `seq-tis` (sequence-level truncated IS, verl's `seq_is`): the same trust region with one detached weight
+  per answer, the truncated product of its token ratios, w_i = min(prod_t pi_old / q, C), C = 2 (on a step
+  rollout each action is its own sequence: token-tis).
 - `turn-is` (after SORL / ST-PPO, Li et al. 2025; multi-turn trainers): the sampler's off-policyness corrected
   once per turn, by the turn's truncated likelihood ratio (the turn is the action the tool answers):
       w_k  = min(prod_{t in k} pi_old / q, C), C = 2                  (turn-level truncated IS, detached)
@@ -40,11 +45,26 @@ from stabench.suite.api import Stabilizer
 
 class TokenTIS(Stabilizer):
     name = "token-tis"
-    needs = POLICY_KEYS | {"old_logp"}
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp"}
     max_weight: float = 2.0  # C
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         weight = torch.exp(batch["old_logp"] - batch["behaviour_logp"]).clamp(max=self.max_weight).detach()
+        ratio = torch.exp(batch["logp"] - batch["old_logp"])
+        per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
+        return {**terms, "policy": aggregate(weight * per_action, batch)}
+
+
+class SequenceTIS(Stabilizer):
+    name = "seq-tis"
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "mask"}
+    max_weight: float = 2.0  # C
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        log_w = (batch["old_logp"] - batch["behaviour_logp"]) * batch["mask"]
+        if log_w.dim() > 1:  # [B, L] tokens of B answers; a step rollout ([B]) has one action per "sequence"
+            log_w = log_w.sum(-1, keepdim=True)
+        weight = torch.exp(log_w).clamp(max=self.max_weight).detach()
         ratio = torch.exp(batch["logp"] - batch["old_logp"])
         per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
         return {**terms, "policy": aggregate(weight * per_action, batch)}
@@ -67,7 +87,7 @@ def turn_size(turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 class TurnLevelIS(Stabilizer):
     name = "turn-is"
-    needs = POLICY_KEYS | {"old_logp", "turn", "mask"}
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "turn", "mask"}
     max_weight: float = 2.0  # C
     geometric: bool = False  # True: the turn weight is the geometric mean of the token ratios (SORL's turn ratio)
     turn_ratio: bool = False  # True: the trust-region ratio at the turn level too (SORL's Turn-PPO ratio)
@@ -117,7 +137,7 @@ def vtrace(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, nex
 
 class VTrace(Stabilizer):
     name = "vtrace"
-    needs = POLICY_KEYS | {"old_logp", "values", "returns", "rewards", "dones"}
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "values", "returns", "rewards", "dones"}
 
     def rollout(self, batch: dict[str, torch.Tensor], info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         T, N = info["num_steps"], info["num_envs"]
