@@ -398,19 +398,19 @@ def fig_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
         _onset(ax, rows)
         ax.set_ylabel(label)
     fig.suptitle("degenerate-comparisons (mean, 95% CI over seeds)")
-    return _save(fig, out, "16_degenerate_comparisons")
+    return _save(fig, out, "14_degenerate_comparisons")
 
 
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "inference-mismatch", "engine_kl")
     return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
-                               "14_inference_mismatch")
+                               "15_inference_mismatch")
 
 
 def fig_moe_routing(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "moe-routing", "flip_engine")
     return _gap_against_return(rows, "flip_engine", "share of routes flipped, engine vs learner", out,
-                               "15_moe_routing")
+                               "16_moe_routing")
 
 
 def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, log: bool = False) -> list[Path]:
