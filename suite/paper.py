@@ -214,21 +214,27 @@ def fig_pg_variance(table: pd.DataFrame, out: Path) -> list[Path]:
                   log=True)
 
 
-def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
+def _side_by_side(rows: pd.DataFrame, panels: list[tuple[str, str]], hue: str, title: str, out: Path,
+                  name: str) -> list[Path]:
+    """One line panel per (column, label), the runs coloured by `hue`, mean and 95% CI over seeds."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    rows = _need(table, "length-explosion", "length_mean", "gt_accuracy")
-    rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, (column, label) in zip(axes, [("length_mean", "mean answer length [tokens]"),
-                                          ("gt_accuracy", "exact gold accuracy")]):
-        sns.lineplot(rows, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=ax)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4))
+    for ax, (column, label) in zip(axes, panels):
+        sns.lineplot(rows, x="iteration", y=column, hue=hue, errorbar=("ci", 95), ax=ax)
         _onset(ax, rows)
         ax.set_ylabel(label)
-    fig.suptitle("length-explosion, injected runs (mean, 95% CI over seeds)")
-    return _save(fig, out, "06_length_accuracy")
+    fig.suptitle(f"{title} (mean, 95% CI over seeds)")
+    return _save(fig, out, name)
+
+
+def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
+    rows = _need(table, "length-explosion", "length_mean", "gt_accuracy")
+    rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
+    panels = [("length_mean", "mean answer length [tokens]"), ("gt_accuracy", "exact gold accuracy")]
+    return _side_by_side(rows, panels, "method", "length-explosion, injected runs", out, "06_length_accuracy")
 
 
 def fig_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
@@ -385,20 +391,12 @@ def _gap_against_return(rows: pd.DataFrame, column: str, label: str, out: Path, 
 
 def fig_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
     """Held-out accuracy beside the policy's KL to the warm start: the silent groups leave the KL in charge."""
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
     rows = _need(table, "degenerate-comparisons", "heldout_accuracy", "full_vocab_kl")
     rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
     rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    for ax, (column, label) in zip(axes, [("heldout_accuracy", "exact held-out accuracy (new rule)"),
-                                          ("full_vocab_kl", "per-token KL(pi || warm start)")]):
-        sns.lineplot(rows, x="iteration", y=column, hue="run", errorbar=("ci", 95), ax=ax)
-        _onset(ax, rows)
-        ax.set_ylabel(label)
-    fig.suptitle("degenerate-comparisons (mean, 95% CI over seeds)")
-    return _save(fig, out, "14_degenerate_comparisons")
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("full_vocab_kl", "per-token KL(pi || warm start)")]
+    return _side_by_side(rows, panels, "run", "degenerate-comparisons", out, "14_degenerate_comparisons")
 
 
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
