@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
 from stabench.suite.api import Diverged, Stabilizer, TrainState
-from stabench.suite.diagnostics import categorical_entropy, exact_kl
+from stabench.suite.diagnostics import categorical_entropy, exact_kl, kl_estimate
 from torch import nn
 
 
@@ -125,7 +125,8 @@ class GRPO:
         prompts = prompts.repeat_interleave(cfg.group_size, dim=0)  # [B, P], group members adjacent
 
         # 1-2. Rollout and reward.
-        answers = sample_answers(sampler or self.policy, prompts, cfg.answer_len, cfg.n_actions, self.rng)
+        drawer = self.policy if sampler is None else sampler
+        answers = sample_answers(drawer, prompts, cfg.answer_len, cfg.n_actions, self.rng)
         mask = answer_mask(answers, cfg.eos_id)
         scored = reward_fn(prompts, answers)
         extra: dict[str, torch.Tensor] = {}
@@ -178,8 +179,7 @@ class GRPO:
                 ratio = torch.exp(logp - mb["anchor_logp"])
                 mb_adv = mb["advantages"]
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * mb_adv)
-                d = mb["ref_logp"] - logp
-                k3 = torch.expm1(d) - d
+                k3 = kl_estimate(logp, mb["ref_logp"], "k3")
                 kl_tok = self.stabilizer.kl_loss(k3, mb)
                 terms = {
                     "policy": aggregate(policy_tok, mb_mask, cfg.aggregation),

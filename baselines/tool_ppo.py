@@ -115,12 +115,13 @@ class ToolPPO:
         rewards = world.reward(ctx, info).float()
         actions_t = torch.stack(actions, 1)
         turn = torch.tensor(world.turn_of_slot)[None].expand_as(actions_t)
+        engine_logp = torch.stack(behaviour_logp, 1)
         return {
             "ctx": ctx, "inputs": torch.stack(inputs, 1), "actions": actions_t, "mask": torch.ones(actions_t.shape),
             "tool_mask": torch.stack(tool_mask, 1), "turn": turn, "rewards": rewards,
             "group": torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size),
-            "behaviour_logp": torch.stack(behaviour_logp, 1),
-            "anchor_logp": torch.stack(behaviour_logp, 1),  # the term is formed against the engine's log-probs
+            "behaviour_logp": engine_logp,
+            "anchor_logp": engine_logp,  # the term is formed against the engine's log-probs
         }  # fmt: skip
 
     def iterate(self, rare_prob: float) -> TrainState:

@@ -23,10 +23,22 @@ from torch import nn
 Diagnostic = Callable[[TrainState], dict[str, float]]
 
 
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-sample estimate of KL(policy || reference) from samples of the policy, d = ref_logp - logp:
+    k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d (keeps the graph of `logp`)."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d.pow(2)
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
 def kl_estimators(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-sample k1, k2, k3 estimates of KL(policy || reference) from samples of the policy."""
-    d = ref_logp - logp
-    return {"k1": -d, "k2": 0.5 * d.pow(2), "k3": torch.expm1(d) - d}
+    return {k: kl_estimate(logp, ref_logp, k) for k in ("k1", "k2", "k3")}
 
 
 def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

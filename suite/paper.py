@@ -429,7 +429,6 @@ def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, lo
 # ---- the failure-mode x stabilizer matrix (`stabench run --matrix`) ------------------------------------
 
 ROLE_ORDER = {"baseline": 0, "matched-fix": 1, "other": 2, "reference": 3}
-MATRIX_CLASSES = ("specific", "broad", "narrow", "harms", "helps nowhere", "reference")
 # A gain counts as help (or harm) when its 95% interval excludes 0 AND it is at least this large (a tenth of the
 # distance from the frozen policy to the optimum) or, for help, it also saves at least half of the runs from
 # failing. Paired seeds make tiny float-level differences "significant".
@@ -529,7 +528,8 @@ def classify(cells: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame:
     rows = []
     methods = [m for m in cells["method"].drop_duplicates() if m != "baseline"]
     for method in methods:
-        mine = cells[(cells["method"] == method) & cells["acts"]]
+        theirs = cells[cells["method"] == method]
+        mine = theirs[theirs["acts"]]
         saved = pd.Series(False, index=mine.index)
         if {"n_failed", "n_runs"} <= set(cells.columns):
             base = cells[cells["method"] == "baseline"].set_index("task")["n_failed"]
@@ -537,7 +537,7 @@ def classify(cells: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame:
         helps = sorted(mine.loc[(mine["ci_low"] > 0) & ((mine["gain"] >= MIN_GAIN) | saved), "task"])
         harms = sorted(mine.loc[(mine["ci_high"] < 0) & (mine["gain"] <= -MIN_GAIN), "task"])
         own = sorted(t for t, fix in matched.items() if fix == method)
-        is_reference = bool((cells.loc[cells["method"] == method, "role"] == "reference").any())
+        is_reference = bool((theirs["role"] == "reference").any())
         if is_reference:
             kind = "reference"
         elif helps and set(helps) <= set(own):
@@ -550,12 +550,9 @@ def classify(cells: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame:
             kind = "harms"
         else:
             kind = "helps nowhere"
-        role = cells.loc[cells["method"] == method, "role"]
-        rows.append({"method": method, "role": "reference" if (role == "reference").any() else
-                     "matched-fix" if own else "other",
+        rows.append({"method": method, "role": "reference" if is_reference else "matched-fix" if own else "other",
                      "matched fix of": ", ".join(own), "class": kind, "helps": ", ".join(helps),
-                     "harms": ", ".join(harms),
-                     "acts on": int(cells.loc[cells["method"] == method, "acts"].sum())})
+                     "harms": ", ".join(harms), "acts on": int(theirs["acts"].sum())})
     return pd.DataFrame(rows, columns=["method", "role", "matched fix of", "class", "helps", "harms", "acts on"])
 
 

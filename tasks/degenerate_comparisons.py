@@ -78,12 +78,11 @@ from stabench.suite.diagnostics import DIAGNOSTICS, group_signal
 from stabench.tasks.entropy_collapse import (
     ANSWER_LEN,
     GRPO_CONFIG,
-    HELDOUT_CORRECT,
     N_ACTIONS,
     TRAIN_PROMPTS,
     correct,
     correct_new,
-    heldout_logp,
+    heldout_accuracy,
     warm_policy,
 )
 from stabench.tasks.tokens import PromptedAnswerEnv
@@ -163,9 +162,9 @@ class DegenerateComparisonsRun:
         onset = self.trainer.iteration >= self.budget.onset
         reward = (self.injected_reward if injected else correct_new) if onset else correct
         state = self.trainer.iterate(reward, TRAIN_PROMPTS[which])
-        self.silent.append(group_signal(state.batch["rewards"], state.batch["group"])["zero_variance_share"])
-        logp = heldout_logp(self.trainer.policy)
-        accuracy = float((logp.exp() * HELDOUT_CORRECT).sum(-1).mean())
+        signal = group_signal(state.batch["rewards"], state.batch["group"])
+        self.silent.append(signal["zero_variance_share"])
+        accuracy = heldout_accuracy(self.trainer.policy)
         row: dict[str, float] = {
             "step": float(self.trainer.tokens),
             "return": accuracy,
@@ -173,6 +172,7 @@ class DegenerateComparisonsRun:
             "entropy": state.extras["entropy"],
             "reward": float(state.batch["rewards"].mean()),
             "full_vocab_kl": float(state.extras["full_vocab_kl"].mean()),  # per token, pi || warm start
+            **signal,
             "zero_variance_recent": float(np.mean(self.silent[-RECENT:])),
         }
         for name in self.diagnostics:
@@ -200,7 +200,7 @@ class DegenerateComparisons(Task):
     # most groups silent for 10 iterations (one iteration is too noisy: a learning control has all-correct
     # batches at times)
     detector = DetectorSpec(metric="zero_variance_recent", threshold=0.85, above=True)
-    diagnostics = ("group_signal", "grad_norms")
+    diagnostics = ("grad_norms",)  # group_signal is computed in the run: zero_variance_recent reads its history
     privileged = ("heldout_accuracy",)
     return_floor = 0.3145  # frozen-at-onset's post-onset return, mean of seeds 0-9 (exact per seed)
     return_ceiling = 0.7972  # the control's post-onset return, mean of seeds 0-9

@@ -268,6 +268,11 @@ def heldout_logp(model: nn.Module) -> torch.Tensor:
     return torch.stack([all_answers_logp(lp) for lp in prefix_lp])
 
 
+def heldout_accuracy(model: nn.Module) -> float:
+    """The expected new-rule reward on the held-out prompts, exact: sum over answers of pi(answer) correct_new."""
+    return float((heldout_logp(model).exp() * HELDOUT_CORRECT).sum(-1).mean())
+
+
 def coverage(logp: torch.Tensor) -> torch.Tensor:
     """Per prompt, the expected share of a group of GROUP_SIZE samples that are distinct correct answers."""
     hit = 1 - (1 - logp.exp()).pow(GROUP_SIZE)

@@ -99,13 +99,12 @@ from stabench.tasks.entropy_collapse import (
     ANSWER_LEN,
     BOS,
     GROUP_SIZE,
-    HELDOUT_CORRECT,
     N_ACTIONS,
     PROMPT_LEN,
     TRAIN_PROMPTS,
     correct,
     correct_new,
-    heldout_logp,
+    heldout_accuracy,
 )
 from stabench.tasks.tokens import PromptedAnswerEnv, answer_logits, warm_start
 from torch import nn
@@ -306,11 +305,6 @@ def _warm_up() -> nn.Module:
 
 
 # --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------
-def heldout_accuracy(model: nn.Module) -> float:
-    """Expected new-rule reward on the held-out prompts, exact: sum over answers of pi(answer) * correct."""
-    return float((heldout_logp(model).exp() * HELDOUT_CORRECT).sum(-1).mean())
-
-
 # --- Diagnostics: pure functions on tensors. ---------------------------------------------------------------
 def flip_rate(chosen_a: torch.Tensor, chosen_b: torch.Tensor) -> float:
     """Share of routing decisions (one per layer and token: [..., k] expert ids) whose expert SET differs."""

@@ -31,8 +31,6 @@ from stabench.baselines import tokens as shared_tokens
 from stabench.baselines.tokens import (  # noqa: F401  (re-exported for the tasks)
     RewardFn,
     answer_logits,
-    answer_mask,
-    bos_prompts,
     on_default_device,
     sample_answers,
     tiny_policy,

@@ -40,7 +40,7 @@ def test_new_rule_also_bans_five_and_no_heldout_prompt_holds_it() -> None:
     assert mr.correct(prompts, answers).tolist() == [1.0, 0.0, 1.0, 1.0]
     assert mr.correct_new(prompts, answers).tolist() == [1.0, 0.0, 0.0, 0.0]
     pairs = ec.HELDOUT_PROMPTS[:, 1:].tolist()
-    assert mr.HELDOUT_CORRECT.sum(-1).tolist() == [64.0 if a == b else 27.0 for a, b in pairs]
+    assert ec.HELDOUT_CORRECT.sum(-1).tolist() == [64.0 if a == b else 27.0 for a, b in pairs]
     assert len(mr.TRAIN_PROMPTS) + len(ec.HELDOUT_PROMPTS) == 36
 
 
@@ -135,7 +135,7 @@ def test_control_engine_gives_behaviour_logp_equal_to_old_logp() -> None:
 
 def test_heldout_evaluation_is_exact_and_the_warm_start_fails_the_ground_truth() -> None:
     policy = _policy()
-    logp = mr.heldout_logp(policy)
+    logp = ec.heldout_logp(policy)
     assert torch.allclose(logp.exp().sum(-1), torch.ones(len(ec.HELDOUT_PROMPTS), dtype=torch.float64))
     p, a = ec.HELDOUT_PROMPTS[2], mr.ALL_ANSWERS[77]
     with torch.no_grad():

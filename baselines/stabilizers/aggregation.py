@@ -42,8 +42,8 @@ def constant_normalized_policy_loss(batch: Mapping[str, torch.Tensor]) -> torch.
 def group_centred(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """R_i - mean over i's group of R: [B] from per-answer rewards and group indices."""
     n = int(group.max()) + 1
-    total = torch.zeros(n).index_add_(0, group, rewards)
-    count = torch.zeros(n).index_add_(0, group, torch.ones_like(rewards))
+    total = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, rewards)
+    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
     return rewards - (total / count)[group]
 
 

@@ -48,26 +48,25 @@ class TokenTIS(Stabilizer):
     needs = POLICY_KEYS | {"old_logp", "behaviour_logp"}
     max_weight: float = 2.0  # C
 
+    def log_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """log(pi_old / q) per action, before truncation."""
+        return batch["old_logp"] - batch["behaviour_logp"]
+
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        weight = torch.exp(batch["old_logp"] - batch["behaviour_logp"]).clamp(max=self.max_weight).detach()
+        weight = torch.exp(self.log_weight(batch)).clamp(max=self.max_weight).detach()
         ratio = torch.exp(batch["logp"] - batch["old_logp"])
         per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
         return {**terms, "policy": aggregate(weight * per_action, batch)}
 
 
-class SequenceTIS(Stabilizer):
+class SequenceTIS(TokenTIS):
     name = "seq-tis"
-    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "mask"}
-    max_weight: float = 2.0  # C
+    needs = TokenTIS.needs | {"mask"}
 
-    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def log_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The answer's summed log-ratio on every one of its tokens (a step rollout: each action its own)."""
         log_w = (batch["old_logp"] - batch["behaviour_logp"]) * batch["mask"]
-        if log_w.dim() > 1:  # [B, L] tokens of B answers; a step rollout ([B]) has one action per "sequence"
-            log_w = log_w.sum(-1, keepdim=True)
-        weight = torch.exp(log_w).clamp(max=self.max_weight).detach()
-        ratio = torch.exp(batch["logp"] - batch["old_logp"])
-        per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
-        return {**terms, "policy": aggregate(weight * per_action, batch)}
+        return log_w.sum(-1, keepdim=True) if log_w.dim() > 1 else log_w
 
 
 def turn_mean(values: torch.Tensor, turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -103,8 +102,7 @@ class TurnLevelIS(Stabilizer):
         weight = torch.exp(log_w).clamp(max=self.max_weight).detach()
         per_token = policy_term(rho, batch["advantages"], low, high)
         bias = ((rho - rho.clamp(1 - low, 1 + high)).abs() * weights).sum().detach()  # 0 until clipping triggers
-        terms["policy"] = (weight * per_token * weights).sum() / (1 + bias)
-        return terms
+        return {**terms, "policy": aggregate(weight * per_token, batch) / (1 + bias)}
 
 
 def vtrace(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,

@@ -31,19 +31,9 @@ from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
+from stabench.baselines.stabilizers.clipping import aggregate
 from stabench.suite.api import Stabilizer
-
-
-def kl_estimate(batch: Mapping[str, torch.Tensor], estimator: Literal["k1", "k2", "k3"]) -> torch.Tensor:
-    """Per-action estimate of KL(pi || ref) from d = ref_logp - logp (with the graph of `logp`)."""
-    d = batch["ref_logp"] - batch["logp"]
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d.pow(2)
-    if estimator == "k3":
-        return torch.expm1(d) - d
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+from stabench.suite.diagnostics import kl_estimate
 
 
 class KLk2InLoss(Stabilizer):
@@ -53,7 +43,7 @@ class KLk2InLoss(Stabilizer):
     needs = frozenset({"ref_logp", "logp", "kl_coef"})
 
     def kl_loss(self, per_token_kl: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return kl_estimate(batch, "k2")
+        return kl_estimate(batch["logp"], batch["ref_logp"], "k2")
 
 
 class KLMaxInLoss(Stabilizer):
@@ -63,7 +53,7 @@ class KLMaxInLoss(Stabilizer):
     needs = frozenset({"ref_logp", "logp", "kl_coef"})
 
     def kl_loss(self, per_token_kl: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return torch.maximum(kl_estimate(batch, "k2"), per_token_kl)
+        return torch.maximum(kl_estimate(batch["logp"], batch["ref_logp"], "k2"), per_token_kl)
 
 
 class KLk1InReward(Stabilizer):
@@ -73,7 +63,7 @@ class KLk1InReward(Stabilizer):
     needs = frozenset({"ref_logp", "logp", "kl_coef", "mask"})
 
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        k1 = kl_estimate(batch, "k1").detach() * batch["mask"]
+        k1 = kl_estimate(batch["logp"], batch["ref_logp"], "k1").detach() * batch["mask"]
         kl_to_go = k1.flip(-1).cumsum(-1).flip(-1)  # sum over the current and later tokens
         return advantages - batch["kl_coef"] * kl_to_go * batch["mask"]
 
@@ -91,7 +81,7 @@ class KLAnchor(Stabilizer):
     replace: ClassVar[bool] = False  # True: the anchor takes the place of the trainer's own KL term
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        anchor = self.coef * (kl_estimate(batch, self.estimator) * batch["token_weight"]).sum()
+        anchor = self.coef * aggregate(kl_estimate(batch["logp"], batch["ref_logp"], self.estimator), batch)
         return {**terms, ("kl" if self.replace else "kl_anchor"): anchor}
 
 

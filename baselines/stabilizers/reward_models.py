@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
+from stabench.baselines.stabilizers.aggregation import group_centred
 from stabench.baselines.stabilizers.kl import KLk2Anchor
 from stabench.suite.api import Stabilizer
 
@@ -40,8 +41,7 @@ def group_normalized(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor
     """(R - mean_group R) / (std_group R + ADV_EPS), groups given by an index per answer (unbiased std)."""
     n = int(group.max()) + 1
     count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
-    mean = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, rewards) / count
-    centred = rewards - mean[group]
+    centred = group_centred(rewards, group)
     var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, centred**2) / (count - 1).clamp_min(1)
     return centred / (var.sqrt()[group] + ADV_EPS)
 
