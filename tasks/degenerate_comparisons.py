@@ -80,6 +80,7 @@ from stabench.tasks.entropy_collapse import (
     GRPO_CONFIG,
     N_ACTIONS,
     TRAIN_PROMPTS,
+    EntropyCollapse,
     correct,
     correct_new,
     heldout_accuracy,
@@ -187,11 +188,7 @@ class DegenerateComparisons(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
-    budgets = {
-        "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
-        "quick": Budget(iterations=50, onset=3, seeds=5),
-        "full": Budget(iterations=100, onset=5, seeds=10),
-    }
+    budgets = EntropyCollapse.budgets  # the same world on the same schedule (quick: 50 iterations, onset 3)
     ground_truth = GroundTruth(
         metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
     )
