@@ -357,6 +357,27 @@ def live_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return r.masked_fill(~members, -torch.inf).amax(1) > r.masked_fill(~members, torch.inf).amin(1)
 
 
+def group_means(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """[n_groups]: each group's mean reward (its success rate under a 0/1 reward)."""
+    n = int(group.max()) + 1
+    total = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, rewards)
+    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
+    return total / count
+
+
+def rare_successes(rewards: torch.Tensor, group: torch.Tensor, advantages: torch.Tensor,
+                   most: float = 1 / 8) -> dict[str, float]:
+    """Where a batch's push comes from when problems are nearly impossible: `rare_success_share`, the share of
+    groups whose success rate is above 0 and at most `most`, and `rare_push_share`, the share of the batch's
+    positive advantage (per answer, [B]) that the answers of those groups carry."""
+    success = group_means(rewards.float(), group)
+    rare = (success > 0) & (success <= most + 1e-9)
+    push = advantages.float().clamp_min(0)
+    total = float(push.sum())
+    return {"rare_success_share": float(rare.double().mean()),
+            "rare_push_share": float(push[rare[group]].sum()) / total if total > 0 else 0.0}
+
+
 def group_signal(rewards: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
     """How much of a batch of groups can compare anything: `zero_variance_share`, the share of groups whose
     rewards are all equal (all correct or all wrong: zero group-relative advantage), and `effective_batch`,

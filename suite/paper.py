@@ -399,6 +399,17 @@ def fig_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
     return _side_by_side(rows, panels, "run", "degenerate-comparisons", out, "14_degenerate_comparisons")
 
 
+def fig_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside the shortcut's rate: lucky successes on impossible problems teach the shortcut."""
+    rows = _need(table, "hard-sample-shortcuts", "heldout_accuracy", "shortcut_rate")
+    rows = rows[(rows["role"].isin(["baseline", "matched-fix"]) | (rows["method"] == "variance-filter"))]
+    rows = rows[(rows["variant"] == "injected") | (rows["method"] == "baseline")]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("shortcut_rate", "share of answers copying a prompt digit")]
+    return _side_by_side(rows, panels, "run", "hard-sample-shortcuts", out, "17_hard_sample_shortcuts")
+
+
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "inference-mismatch", "engine_kl")
     return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
@@ -744,6 +755,7 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
     ("silent groups and the KL pull", fig_degenerate),
     ("training-inference KL against return", fig_inference_mismatch),
     ("route flips against return", fig_moe_routing),
+    ("lucky shortcuts on impossible problems", fig_shortcuts),
 ]
 
 

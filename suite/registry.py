@@ -32,6 +32,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "degenerate-comparisons": "stabench.tasks.degenerate_comparisons:DegenerateComparisons",
     "inference-mismatch": "stabench.tasks.inference_mismatch:InferenceMismatch",
     "moe-routing": "stabench.tasks.moe_routing:MoERouting",
+    "hard-sample-shortcuts": "stabench.tasks.hard_sample_shortcuts:HardSampleShortcuts",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -47,11 +48,13 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "kl-k1-reward": "stabench.baselines.stabilizers.kl:KLk1InReward",
     "clip-higher": "stabench.baselines.stabilizers.clipping:ClipHigher",
     "dual-clip": "stabench.baselines.stabilizers.clipping:DualClip",
+    "advantage-clip": "stabench.baselines.stabilizers.clipping:AdvantageClip",
     "grad-clip": "stabench.baselines.stabilizers.clipping:GradClip",
     "token-tis": "stabench.baselines.stabilizers.importance:TokenTIS",
     "seq-tis": "stabench.baselines.stabilizers.importance:SequenceTIS",
     "turn-is": "stabench.baselines.stabilizers.importance:TurnLevelIS",
     "variance-filter": "stabench.baselines.stabilizers.aggregation:VarianceFilter",
+    "difficulty-filter": "stabench.baselines.stabilizers.aggregation:DifficultyFilter",
     "routing-replay": "stabench.baselines.stabilizers.routing:RolloutRoutingReplay",
     "routing-replay-old": "stabench.baselines.stabilizers.routing:OldRoutingReplay",
     "vtrace": "stabench.baselines.stabilizers.importance:VTrace",

@@ -1,11 +1,12 @@
 """The papers' fixes and the plain guards, organized by what they do, one implementation each.
 
-clipping.py        the policy term's clip (clip-higher, dual-clip) and gradient-norm clipping
+clipping.py        the policy term's clip (clip-higher, dual-clip), advantage and gradient-norm clipping
 entropy.py         entropy bonus
 kl.py              the KL term to a reference: estimator placement (kl-k2, kl-max, kl-k1-reward), KL anchors
 importance.py      importance-sampling corrections for stale or mismatched samplers
                    (token-tis, seq-tis, turn-is, vtrace)
-aggregation.py     aggregation and baseline of the policy term (constant-norm, dr-grpo, variance-filter)
+aggregation.py     aggregation and baseline of the policy term, group filters
+                   (constant-norm, dr-grpo, variance-filter, difficulty-filter)
 architecture.py    network changes (multiskip-residual, markovian-chunks)
 critics.py         value estimates (mini-critics, critic-warmup, chain)
 representation.py  feature regularizers (isotropic-gaussian)

@@ -20,6 +20,10 @@ length (Liu et al. 2025, "Understanding R1-Zero-Like Training", Dr. GRPO).
   trainer's total, w'_i = w_i 1[Var_group(R) > 0] sum_j w_j / sum_j w_j 1[Var_group(R) > 0]. A batch of
   degenerate groups makes no update. DAPO also resamples prompts until the batch is full; that costs
   sampling and is left to the task's budget.
+- `difficulty-filter` (filtering prompts by estimated difficulty, seed 002): the variance filter, and also
+  every group whose success rate (its mean reward) is at most 1/8: a problem the policy nearly never solves
+  leaves the batch, so its rare lucky successes teach nothing. The group itself is the difficulty estimate
+  (k samples of one prompt); the same weight rescaling as the variance filter.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections.abc import Mapping
 import torch
 from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, trainer_ratio
 from stabench.suite.api import Stabilizer
-from stabench.suite.diagnostics import live_groups
+from stabench.suite.diagnostics import group_means, live_groups
 
 
 def constant_normalized_policy_loss(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -41,10 +45,7 @@ def constant_normalized_policy_loss(batch: Mapping[str, torch.Tensor]) -> torch.
 
 def group_centred(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     """R_i - mean over i's group of R: [B] from per-answer rewards and group indices."""
-    n = int(group.max()) + 1
-    total = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, rewards)
-    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
-    return rewards - (total / count)[group]
+    return rewards - group_means(rewards, group)[group]
 
 
 class ConstantNorm(Stabilizer):
@@ -74,9 +75,13 @@ class VarianceFilter(Stabilizer):
     name = "variance-filter"
     needs = POLICY_KEYS | {"rewards", "group", "mask"}
 
+    def kept_groups(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[n_groups] bool: the groups that stay in the batch."""
+        return live_groups(batch["rewards"], batch["group"])
+
     def _rescale(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Per-action factor f with w' = f * w: 0 on degenerate groups, sum(w) / sum(kept w) elsewhere."""
-        keep = live_groups(batch["rewards"], batch["group"])[batch["group"]].float()
+        """Per-action factor f with w' = f * w: 0 on dropped groups, sum(w) / sum(kept w) elsewhere."""
+        keep = self.kept_groups(batch)[batch["group"]].float()
         weights = batch["token_weight"]
         keep = keep.view(-1, *([1] * (weights.dim() - 1))).expand_as(weights)
         kept = (weights * keep).sum()
@@ -90,3 +95,14 @@ class VarianceFilter(Stabilizer):
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per_action = policy_term(trainer_ratio(batch), batch["advantages"], batch["clip_low"], batch["clip_high"])
         return {**terms, "policy": (per_action * batch["token_weight"] * self._rescale(batch)).sum()}
+
+
+class DifficultyFilter(VarianceFilter):
+    """The variance filter, and groups whose success rate is at most `max_success` leave the batch too."""
+
+    name = "difficulty-filter"
+    max_success: float = 1 / 8
+
+    def kept_groups(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        success = group_means(batch["rewards"].float(), batch["group"])
+        return super().kept_groups(batch) & (success > self.max_success + 1e-9)

@@ -15,6 +15,9 @@ below are that computation, shared by every stabilizer that rewrites the term (h
 - `dual-clip` (Ye et al. 2020): on negative advantages the term is bounded by -c A, c = 3:
   s = A < 0 ? min(max(-A r, -A clip(r)), -c A) : max(-A r, -A clip(r)). It caps what one action with a
   huge ratio and a negative advantage can contribute.
+- `advantage-clip`: every advantage clipped to [-1, 1] before the update. Under group normalization one lucky
+  success in a group of 8 gets A = 2.47; clipped, it weighs no more than an answer of a balanced group. A
+  named non-fix on hard-sample-shortcuts: it shrinks the lucky push, it does not remove it.
 - `grad-clip`: rescale all gradients together so their joint L2 norm is at most 0.5 (CleanRL's default,
   kept out of the trainers). A named non-fix on the grid tasks: Adam normalizes the length away again.
 """
@@ -71,6 +74,17 @@ class DualClip(Stabilizer):
         per_action = policy_term(trainer_ratio(batch), adv, batch["clip_low"], batch["clip_high"])
         per_action = torch.where(adv < 0, torch.min(per_action, -self.c * adv), per_action)
         return {**terms, "policy": aggregate(per_action, batch)}
+
+
+class AdvantageClip(Stabilizer):
+    """A clipped to [-c, c], c = 1, on every action."""
+
+    name = "advantage-clip"
+    needs = frozenset({"advantages"})
+    c: float = 1.0
+
+    def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return advantages.clamp(-self.c, self.c)
 
 
 class GradClip(Stabilizer):
