@@ -139,6 +139,8 @@ BATCH_SCHEMA: dict[str, str] = {
     "turn": "[B, L] turn index of each action (multi-turn trainers)",
     "obs": "per step: the observation (PPO)",
     "actions": "the taken actions",
+    "confidence": "[B] the confidence an answer states, in [0, 1] (tasks whose policy states one: "
+                  "`Task.provides` 'confidence')",
 }
 # The policy term every trainer minimizes, per action: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with
 # r = exp(logp - anchor_logp), aggregated as sum(per_action * token_weight). A stabilizer that rewrites it

@@ -378,6 +378,15 @@ def rare_successes(rewards: torch.Tensor, group: torch.Tensor, advantages: torch
             "rare_push_share": float(push[rare[group]].sum()) / total if total > 0 else 0.0}
 
 
+def confidence_gap(confidence: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """Does a stated confidence track being right, on one batch: `confidence_gap`, the mean stated confidence
+    less the mean reward (above 0: overconfident), and `confidence_reward_cov`, their covariance across answers
+    (0: the confidence says nothing about which answers are right)."""
+    c, r = confidence.double(), rewards.double()
+    return {"confidence_gap": float(c.mean() - r.mean()),
+            "confidence_reward_cov": float(((c - c.mean()) * (r - r.mean())).mean())}
+
+
 def group_signal(rewards: torch.Tensor, group: torch.Tensor) -> dict[str, float]:
     """How much of a batch of groups can compare anything: `zero_variance_share`, the share of groups whose
     rewards are all equal (all correct or all wrong: zero group-relative advantage), and `effective_batch`,

@@ -410,6 +410,17 @@ def fig_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
     return _side_by_side(rows, panels, "run", "hard-sample-shortcuts", out, "17_hard_sample_shortcuts")
 
 
+def fig_calibration(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Stated confidence beside the chance of being right: a binary reward leaves the confidence where it was."""
+    rows = _need(table, "calibration-collapse", "heldout_confidence", "heldout_accuracy", "heldout_brier")
+    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    panels = [("heldout_confidence", "mean stated confidence"),
+              ("heldout_accuracy", "chance of being right (accuracy)"),
+              ("heldout_brier", "Brier gap (ground truth)")]
+    return _side_by_side(rows, panels, "run", "calibration-collapse", out, "18_calibration_collapse")
+
+
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "inference-mismatch", "engine_kl")
     return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
@@ -756,6 +767,7 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
     ("training-inference KL against return", fig_inference_mismatch),
     ("route flips against return", fig_moe_routing),
     ("lucky shortcuts on impossible problems", fig_shortcuts),
+    ("stated confidence against accuracy", fig_calibration),
 ]
 
 

@@ -33,6 +33,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "inference-mismatch": "stabench.tasks.inference_mismatch:InferenceMismatch",
     "moe-routing": "stabench.tasks.moe_routing:MoERouting",
     "hard-sample-shortcuts": "stabench.tasks.hard_sample_shortcuts:HardSampleShortcuts",
+    "calibration-collapse": "stabench.tasks.calibration_collapse:CalibrationCollapse",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -67,6 +68,7 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "chain": "stabench.baselines.stabilizers.critics:Chain",
     "isotropic-gaussian": "stabench.baselines.stabilizers.representation:IsotropicGaussian",
     "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
+    "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {

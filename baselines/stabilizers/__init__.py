@@ -12,4 +12,5 @@ critics.py         value estimates (mini-critics, critic-warmup, chain)
 representation.py  feature regularizers (isotropic-gaussian)
 routing.py         Mixture-of-Experts routing replay (routing-replay: the sampler's routes, R3; routing-replay-old: R2)
 reward_models.py   learned-reward ensembles (conservative-ensemble)
+rewards.py         terms added to the task's reward (brier-reward)
 """
