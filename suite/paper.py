@@ -421,6 +421,17 @@ def fig_calibration(table: pd.DataFrame, out: Path) -> list[Path]:
     return _side_by_side(rows, panels, "run", "calibration-collapse", out, "18_calibration_collapse")
 
 
+def fig_plasticity(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside the drift from the warm start: the drifted policy cannot learn the new rule."""
+    rows = _need(table, "plasticity-loss", "heldout_accuracy", "full_vocab_kl", "all_wrong_share")
+    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule from the shift)"),
+              ("full_vocab_kl", "per-token KL(pi || warm start)"),
+              ("all_wrong_share", "share of groups with no correct answer")]
+    return _side_by_side(rows, panels, "run", "plasticity-loss", out, "19_plasticity_loss")
+
+
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "inference-mismatch", "engine_kl")
     return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
@@ -768,6 +779,7 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
     ("route flips against return", fig_moe_routing),
     ("lucky shortcuts on impossible problems", fig_shortcuts),
     ("stated confidence against accuracy", fig_calibration),
+    ("drift before a rule change", fig_plasticity),
 ]
 
 

@@ -34,6 +34,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "moe-routing": "stabench.tasks.moe_routing:MoERouting",
     "hard-sample-shortcuts": "stabench.tasks.hard_sample_shortcuts:HardSampleShortcuts",
     "calibration-collapse": "stabench.tasks.calibration_collapse:CalibrationCollapse",
+    "plasticity-loss": "stabench.tasks.plasticity_loss:PlasticityLoss",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {

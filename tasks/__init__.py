@@ -31,6 +31,7 @@ ENVIRONMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stabench/MoERouting-v0": ("stabench.tasks.moe_routing:MoERoutingEnv", {}),
     "stabench/HardSampleShortcuts-v0": ("stabench.tasks.hard_sample_shortcuts:HardSampleShortcutsEnv", {}),
     "stabench/CalibrationCollapse-v0": ("stabench.tasks.calibration_collapse:CalibrationCollapseEnv", {}),
+    "stabench/PlasticityLoss-v0": ("stabench.tasks.plasticity_loss:PlasticityLossEnv", {}),
 }
 # The grid worlds a PPO task trains on (flattened MiniGrid rooms).
 WORLDS: tuple[str, ...] = ("stabench/EmptyFlat-5x5-v0", "stabench/EmptyFlat-8x8-v0")
