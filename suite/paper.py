@@ -229,6 +229,15 @@ def _side_by_side(rows: pd.DataFrame, panels: list[tuple[str, str]], hue: str, t
     return _save(fig, out, name)
 
 
+def _fix_against_baseline(table: pd.DataFrame, task: str, panels: list[tuple[str, str]], out: Path,
+                          name: str) -> list[Path]:
+    """Side-by-side panels of the baseline's and the matched fix's runs, injected and control, one line each."""
+    rows = _need(table, task, *(column for column, _ in panels))
+    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    return _side_by_side(rows, panels, "run", task, out, name)
+
+
 def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
     """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
     rows = _need(table, "length-explosion", "length_mean", "gt_accuracy")
@@ -391,12 +400,9 @@ def _gap_against_return(rows: pd.DataFrame, column: str, label: str, out: Path, 
 
 def fig_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
     """Held-out accuracy beside the policy's KL to the warm start: the silent groups leave the KL in charge."""
-    rows = _need(table, "degenerate-comparisons", "heldout_accuracy", "full_vocab_kl")
-    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
-    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
               ("full_vocab_kl", "per-token KL(pi || warm start)")]
-    return _side_by_side(rows, panels, "run", "degenerate-comparisons", out, "14_degenerate_comparisons")
+    return _fix_against_baseline(table, "degenerate-comparisons", panels, out, "14_degenerate_comparisons")
 
 
 def fig_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
@@ -412,24 +418,18 @@ def fig_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
 
 def fig_calibration(table: pd.DataFrame, out: Path) -> list[Path]:
     """Stated confidence beside the chance of being right: a binary reward leaves the confidence where it was."""
-    rows = _need(table, "calibration-collapse", "heldout_confidence", "heldout_accuracy", "heldout_brier")
-    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
-    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
     panels = [("heldout_confidence", "mean stated confidence"),
               ("heldout_accuracy", "chance of being right (accuracy)"),
               ("heldout_brier", "Brier gap (ground truth)")]
-    return _side_by_side(rows, panels, "run", "calibration-collapse", out, "18_calibration_collapse")
+    return _fix_against_baseline(table, "calibration-collapse", panels, out, "18_calibration_collapse")
 
 
 def fig_plasticity(table: pd.DataFrame, out: Path) -> list[Path]:
     """Held-out accuracy beside the drift from the warm start: the drifted policy cannot learn the new rule."""
-    rows = _need(table, "plasticity-loss", "heldout_accuracy", "full_vocab_kl", "all_wrong_share")
-    rows = rows[rows["role"].isin(["baseline", "matched-fix"])]
-    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule from the shift)"),
               ("full_vocab_kl", "per-token KL(pi || warm start)"),
               ("all_wrong_share", "share of groups with no correct answer")]
-    return _side_by_side(rows, panels, "run", "plasticity-loss", out, "19_plasticity_loss")
+    return _fix_against_baseline(table, "plasticity-loss", panels, out, "19_plasticity_loss")
 
 
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
