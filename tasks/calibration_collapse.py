@@ -118,11 +118,15 @@ def stated_confidence(answers: torch.Tensor) -> torch.Tensor:
     return answers[:, DIGITS].float() / (N_ACTIONS - 1)
 
 
+def allowed_digits(prompts: torch.Tensor) -> torch.Tensor:
+    """[B, GUESSABLE] bool: the digits a hidden digit may take, 0 .. GUESSABLE - 1 less the prompt's a and b."""
+    digits = torch.arange(GUESSABLE)[None]
+    return (digits != prompts[:, 1:2]) & (digits != prompts[:, 2:3])
+
+
 def hidden_digits(prompts: torch.Tensor, draws: np.ndarray) -> torch.Tensor:
-    """[B] one hidden digit per answer, uniform over 0 .. GUESSABLE - 1 less the prompt's a and b, picked by the
-    uniform draws `draws` [B]."""
-    digits = torch.arange(GUESSABLE)
-    allowed = (digits[None] != prompts[:, 1:2]) & (digits[None] != prompts[:, 2:3])  # [B, GUESSABLE]
+    """[B] one hidden digit per answer, uniform over the allowed digits, picked by the uniform draws `draws` [B]."""
+    allowed = allowed_digits(prompts)
     k = (torch.as_tensor(draws) * allowed.sum(1)).long()  # the k-th allowed digit
     rank = allowed.long().cumsum(1) - 1
     return ((rank == k[:, None]) & allowed).long().argmax(1)
@@ -144,9 +148,7 @@ def acceptance(world: str) -> torch.Tensor:
         raise ValueError(f"world must be one of {', '.join(WORLDS)}, got {world!r}")
     if world != "guess":
         return HELDOUT_OLD if world == "old" else HELDOUT_CORRECT
-    digits = torch.arange(GUESSABLE)
-    n_allowed = ((digits[None] != HELDOUT_PROMPTS[:, 1:2]) & (digits[None] != HELDOUT_PROMPTS[:, 2:3])).sum(1)
-    return HELDOUT_CORRECT / n_allowed[:, None].double()
+    return HELDOUT_CORRECT / allowed_digits(HELDOUT_PROMPTS).sum(1, keepdim=True).double()
 
 
 # --- The warm start (also the frozen reference). ----------------------------------------------------------

@@ -87,14 +87,12 @@ from stabench.suite.diagnostics import DIAGNOSTICS, group_signal, rare_successes
 from stabench.tasks.entropy_collapse import (
     ANSWER_LEN,
     GRPO_CONFIG,
-    HELDOUT_CORRECT,
-    HELDOUT_OLD,
     N_ACTIONS,
     TRAIN_PROMPTS,
     EntropyCollapse,
     correct,
     correct_new,
-    heldout_logp,
+    heldout_stats,
     warm_policy,
 )
 from stabench.tasks.tokens import PromptedAnswerEnv
@@ -130,15 +128,11 @@ def graded_reward(n_live: int, group_size: int, draws: np.ndarray, luck: float =
 
 
 def shortcut_stats(model: torch.nn.Module) -> dict[str, float]:
-    """Exact on the held-out prompts: the new rule's accuracy, the old rule's (the pre-onset problems) and the
-    shortcut's rate (1 - the old rule's accuracy)."""
-    pi = heldout_logp(model).exp()
-    old = float((pi * HELDOUT_OLD).sum(-1).mean())
-    return {
-        "heldout_accuracy": float((pi * HELDOUT_CORRECT).sum(-1).mean()),
-        "old_rule_accuracy": old,
-        "shortcut_rate": 1.0 - old,
-    }
+    """Exact on the held-out prompts (`heldout_stats`): the new rule's accuracy, the old rule's (the pre-onset
+    problems) and the shortcut's rate (1 - the old rule's accuracy)."""
+    stats = heldout_stats(model)
+    old = stats["old_rule_accuracy"]
+    return {"heldout_accuracy": stats["heldout_accuracy"], "old_rule_accuracy": old, "shortcut_rate": 1.0 - old}
 
 
 # --- The environment: one answer to a live or a nearly impossible problem. ---------------------------------
