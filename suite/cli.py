@@ -103,7 +103,9 @@ def run_sweep(args: argparse.Namespace) -> Path:
     out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{stamp}"
     if args.address:
         runner.check_address(args.address)
-    exp = runner.prepare(out, spec, args.resume)
+    if args.resume and args.extend:
+        raise StabenchError("--resume and --extend do not go together: finish the run, then extend it")
+    exp = runner.prepare(out, spec, args.resume, extend=args.extend)
     runner.execute(exp, address=args.address, num_cpus=args.cpus, resume=args.resume)
     return out
 
@@ -233,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="an existing Ray cluster HOST:PORT (default: a private local Ray)")
     p.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all)")
     p.add_argument("--resume", action="store_true", help="continue the experiment already in --out")
+    p.add_argument("--extend", action="store_true",
+                   help="add the named tasks that the finished experiment in --out lacks (same request otherwise); "
+                        "its rows are kept, only the new tasks run")
     p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
     p.add_argument("--matrix", action="store_true",
                    help="every registered stabilizer on every task (where one does not act, it scores as the baseline)")

@@ -265,6 +265,7 @@ class Experiment:
     spec: ExperimentSpec
     trials: list[TrialSpec] = field(default_factory=list)
     identities: list[tuple[str, str, str]] = field(default_factory=list)
+    kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds
 
     @property
     def manifest(self) -> dict:
@@ -278,10 +279,16 @@ class Experiment:
         }
 
 
-def prepare(out: Path, spec: ExperimentSpec, resume: bool) -> Experiment:
-    """Check the output folder against the request; writes nothing."""
+def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False) -> Experiment:
+    """Check the output folder against the request; writes nothing.
+
+    `extend`: the folder holds a finished experiment whose request differs from this one only by lacking some
+    of its tasks; only the missing tasks' trials are to run (their rows do not depend on the other tasks')."""
     exp = Experiment(out, spec, *spec.plan())
     manifest_path = out / MANIFEST
+    if extend:
+        exp.kept = _extension_base(out, spec)
+        return exp
     if resume:
         if not manifest_path.is_file():
             raise StabenchError(f"nothing to resume in {out}: no {MANIFEST}")
@@ -298,34 +305,68 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool) -> Experiment:
     return exp
 
 
+def _extension_base(out: Path, spec: ExperimentSpec) -> tuple[str, ...]:
+    """The tasks a finished experiment in `out` already holds, after checking that `spec` only adds tasks."""
+    manifest_path = out / MANIFEST
+    if not all((out / name).is_file() for name in (MANIFEST, METRICS, TRIALS)):
+        raise StabenchError(f"nothing to extend in {out}: it needs a finished run ({MANIFEST}, {METRICS}, {TRIALS})")
+    try:
+        old = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StabenchError(f"cannot read {manifest_path}: {exc}") from exc
+    if old.get("suite_version") != SUITE_VERSION:
+        raise StabenchError(f"{out} was made by suite version {old.get('suite_version')}, this is {SUITE_VERSION}")
+    if old.get("libraries") != library_versions():
+        raise StabenchError(f"{out} was made with other library versions ({old.get('libraries')}); rerun it whole")
+    old_spec = {k: v for k, v in old.get("spec", {}).items() if k != "tasks"}
+    new_spec = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items() if k != "tasks"}
+    differ = sorted(k for k in new_spec if old_spec.get(k) != new_spec[k])
+    if differ:
+        raise StabenchError(f"{out} holds an experiment that differs in {', '.join(differ)}, not only in its tasks")
+    kept = tuple(old["spec"].get("tasks", ()))
+    missing = sorted(set(kept) - set(spec.tasks))
+    if missing:
+        raise StabenchError(f"--extend keeps every task of {out}; name {', '.join(missing)} too")
+    if set(spec.tasks) == set(kept):
+        raise StabenchError(f"{out} already holds every requested task: nothing to add")
+    return kept
+
+
 def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = None, resume: bool = False) -> Path:
-    """Run the experiment through Ray Tune and write `metrics.parquet` and `trials.csv`."""
+    """Run the experiment through Ray Tune and write `metrics.parquet` and `trials.csv`.
+
+    An extension (`exp.kept`) runs only the trials of the tasks the folder lacks, in a Tune folder of its own,
+    and writes the joined table, trial list and manifest at the end (until then the folder is as it was)."""
     storage = str(exp.out.resolve())
-    tune_path = exp.out.resolve() / TUNE_DIR
+    run = [t for t in exp.trials if t.task not in exp.kept]
+    identities = [i for i in exp.identities if i[0] not in exp.kept]
+    name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
+    tune_path = exp.out.resolve() / name
     started = time.time()
     with RayCluster(address, num_cpus) as cluster:
         exp.out.mkdir(parents=True, exist_ok=True)  # only now: a failed connection leaves nothing behind
-        if not resume:
+        if not resume and not exp.kept:
             (exp.out / MANIFEST).write_text(json.dumps(exp.manifest, indent=2))
         cpus = cluster.cpus()
         where = f"the Ray cluster at {address}" if address else "a private local Ray"
-        print(f"stabench: {len(exp.trials)} trials on {where} with {cpus} CPUs -> {exp.out}", file=sys.stderr)
+        adding = f" (adding {', '.join(t for t in exp.spec.tasks if t not in exp.kept)})" if exp.kept else ""
+        print(f"stabench: {len(run)} trials on {where} with {cpus} CPUs -> {exp.out}{adding}", file=sys.stderr)
         trainable = tune.with_resources(_tune_trainable, {"cpu": 1})
         done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet")))
-        progress = ProgressCallback(len(exp.trials), already=done)
+        progress = ProgressCallback(len(run), already=done)
         if resume and tune.Tuner.can_restore(str(tune_path)):
-            print(f"stabench: resuming, {done} of {len(exp.trials)} trials already finished", file=sys.stderr)
+            print(f"stabench: resuming, {done} of {len(run)} trials already finished", file=sys.stderr)
             tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
             # Tune restores the run config it pickled; give it this session's progress printer.
             tuner._local_tuner.get_run_config().callbacks = [progress]  # noqa: SLF001
         else:
-            grid = [asdict(t) for t in exp.trials]
+            grid = [asdict(t) for t in run]
             tuner = tune.Tuner(
                 trainable,
                 param_space={"trial": tune.grid_search(grid)},
                 tune_config=tune.TuneConfig(max_concurrent_trials=cpus, reuse_actors=True),
                 run_config=tune.RunConfig(
-                    name=TUNE_DIR,
+                    name=name,
                     storage_path=storage,
                     verbose=0,
                     failure_config=tune.FailureConfig(max_failures=2),
@@ -333,11 +374,15 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                 ),
             )
         results = tuner.fit()
-    table, trials = collect(results, exp.trials, progress.retries, exp.identities)
+    table, trials = collect(results, run, progress.retries, identities)
+    seconds = round(time.time() - started, 1)
+    if exp.kept:
+        table, trials, manifest = _join_extension(exp, table, trials, seconds)
+    else:
+        manifest = json.loads((exp.out / MANIFEST).read_text())
+        manifest["wall_seconds"] = seconds  # this session's (a resumed run: the last one's)
     write_atomic(table, exp.out / METRICS)
     trials.to_csv(exp.out / TRIALS, index=False)
-    manifest = json.loads((exp.out / MANIFEST).read_text())
-    manifest["wall_seconds"] = round(time.time() - started, 1)  # this session's (a resumed run: the last one's)
     (exp.out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     bad = trials[~trials["status"].isin(["ok", "identity"])]
     print(
@@ -347,6 +392,27 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
         file=sys.stderr,
     )
     return exp.out / METRICS
+
+
+def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
+                    seconds: float) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """The folder's rows and the new tasks' rows as one run would have written them (same order and columns);
+    the manifest is the whole request's, its wall time the sum of the sessions' (each listed)."""
+    old_manifest = json.loads((exp.out / MANIFEST).read_text())
+    old_table = pd.read_parquet(exp.out / METRICS)
+    old_trials = pd.read_csv(exp.out / TRIALS)
+    joined = tidy(pd.concat([old_table, table], ignore_index=True))
+    order = {t: i for i, t in enumerate(exp.spec.tasks)}
+    every = pd.concat([old_trials, trials], ignore_index=True)
+    real = every[every["status"] != "identity"].sort_values("task", key=lambda c: c.map(order), kind="stable")
+    copies = every[every["status"] == "identity"].sort_values("task", key=lambda c: c.map(order), kind="stable")
+    manifest = exp.manifest
+    first = {"tasks": list(exp.kept), "wall_seconds": old_manifest.get("wall_seconds")}
+    history = old_manifest.get("sessions") or [first]
+    added = [t for t in exp.spec.tasks if t not in exp.kept]
+    manifest["sessions"] = [*history, {"tasks": added, "wall_seconds": seconds}]
+    manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
+    return joined, pd.concat([real, copies], ignore_index=True), manifest
 
 
 def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | None = None,
@@ -389,16 +455,19 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
             rows += [{"task": task_ref, "method": method_ref, "seed": int(seed), "tier": base["tier"].iloc[0],
                       "knobs": cell, "status": "identity", "error": "", "seconds": 0.0, "retries": 0}
                      for seed in sorted(base["seed"].unique())]
-        table = pd.concat([table, *copies], ignore_index=True)
-        table = table.sort_values(["task", "cell", "method", "seed", "variant", "iteration"], kind="stable")
-        # a canonical column order, whatever order Tune returns trials in (a resumed sweep included)
-        first = ["task", "method", "role", "acts", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
-        last = ["status", "error", "diverged_at", "task_ref", "cell", "task_version", "family", "method_ref", "tier",
-                "onset_iteration", "iterations", "suite_version", "config_hash"]
-        middle = sorted(c for c in table.columns if c not in first and c not in last)
-        table = table[[c for c in first + middle + last if c in table]]
-        table = table.reset_index(drop=True)
+        table = tidy(pd.concat([table, *copies], ignore_index=True))
     return table, pd.DataFrame(rows)
+
+
+def tidy(table: pd.DataFrame) -> pd.DataFrame:
+    """A canonical row and column order, whatever order Tune returns trials in (a resumed or extended sweep
+    included)."""
+    table = table.sort_values(["task", "cell", "method", "seed", "variant", "iteration"], kind="stable")
+    first = ["task", "method", "role", "acts", "variant", "seed", "iteration", "step", "phase", "return", "entropy"]
+    last = ["status", "error", "diverged_at", "task_ref", "cell", "task_version", "family", "method_ref", "tier",
+            "onset_iteration", "iterations", "suite_version", "config_hash"]
+    middle = sorted(c for c in table.columns if c not in first and c not in last)
+    return table[[c for c in first + middle + last if c in table]].reset_index(drop=True)
 
 
 def write_atomic(table: pd.DataFrame, path: Path) -> None:

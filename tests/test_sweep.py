@@ -1,5 +1,6 @@
 """Sweeps through Ray Tune: the real tasks' smoke tier on the embedded local Ray, resume, and a cluster."""
 
+import json
 import os
 import signal
 import socket
@@ -253,3 +254,27 @@ def test_eight_concurrent_submissions_all_land(smoke_sweep, tmp_path):
     rows = pd.read_csv(board)
     assert sorted(rows.name) == sorted(detectors)
     assert stabench("verify", str(out), "--leaderboard", str(board)).returncode == 0
+
+
+def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
+    first, second = "entropy-collapse", "degenerate-comparisons"
+    common = ("run", "--tier", "smoke", "--seeds", "1", "--cpus", "1")
+    grown, whole = tmp_path / "grown", tmp_path / "whole"
+    assert stabench(*common, "--tasks", first, "--out", str(grown)).returncode == 0
+    proc = stabench(*common, "--tasks", f"{first},{second}", "--out", str(grown), "--extend")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"(adding {second})" in proc.stderr and f"{first} baseline" not in proc.stderr  # only the new task ran
+    assert stabench(*common, "--tasks", f"{first},{second}", "--out", str(whole)).returncode == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(grown / "metrics.parquet"), pd.read_parquet(whole / "metrics.parquet"))
+    pd.testing.assert_frame_equal(pd.read_csv(grown / "trials.csv").drop(columns="seconds"),
+                                  pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
+    grown_manifest, whole_manifest = (json.loads((d / "manifest.json").read_text()) for d in (grown, whole))
+    assert grown_manifest["config_hash"] == whole_manifest["config_hash"]
+    assert [s["tasks"] for s in grown_manifest["sessions"]] == [[first], [second]]
+    before = folder_digest(grown)
+    for extra, message in ((("--tasks", f"{first},{second}"), "nothing to add"),
+                           (("--tasks", second), f"name {first} too"),
+                           (("--tasks", f"{first},{second},hard-sample-shortcuts", "--seed-start", "3"), "seed_start")):
+        refused = stabench(*common, *extra, "--out", str(grown), "--extend")
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+    assert folder_digest(grown) == before  # a refused extension changes nothing
