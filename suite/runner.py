@@ -338,8 +338,13 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
     An extension (`exp.kept`) runs only the trials of the tasks the folder lacks, in a Tune folder of its own,
     and writes the joined table, trial list and manifest at the end (until then the folder is as it was)."""
     storage = str(exp.out.resolve())
-    run = [t for t in exp.trials if t.task not in exp.kept]
-    identities = [i for i in exp.identities if i[0] not in exp.kept]
+    run, identities = exp.trials, exp.identities
+    if exp.kept:  # what the request holds and the folder lacks: new tasks, and new methods on kept tasks
+        have = pd.read_csv(exp.out / TRIALS, keep_default_na=False, dtype=str)
+        keys = set(have["task"] + "|" + have["method"] + "|" + have["seed"] + "|" + have["knobs"])
+        run = [t for t in exp.trials if t.key not in keys]
+        copied = set(zip(have["task"], have["knobs"], have["method"]))
+        identities = [i for i in exp.identities if i not in copied]
     name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
     tune_path = exp.out.resolve() / name
     started = time.time()
@@ -374,7 +379,8 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                 ),
             )
         results = tuner.fit()
-    table, trials = collect(results, run, progress.retries, identities)
+    kept = pd.read_parquet(exp.out / METRICS) if exp.kept else None
+    table, trials = collect(results, run, progress.retries, identities, kept)
     seconds = round(time.time() - started, 1)
     if exp.kept:
         table, trials, manifest = _join_extension(exp, table, trials, seconds)
@@ -399,29 +405,35 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     """The folder's rows and the new tasks' rows as one run would have written them (same order and columns);
     the manifest is the whole request's, its wall time the sum of the sessions' (each listed)."""
     old_manifest = json.loads((exp.out / MANIFEST).read_text())
-    old_table = pd.read_parquet(exp.out / METRICS)
     old_trials = pd.read_csv(exp.out / TRIALS)
-    joined = tidy(pd.concat([old_table, table], ignore_index=True))
-    order = {t: i for i, t in enumerate(exp.spec.tasks)}
     every = pd.concat([old_trials, trials], ignore_index=True)
-    real = every[every["status"] != "identity"].sort_values("task", key=lambda c: c.map(order), kind="stable")
-    copies = every[every["status"] == "identity"].sort_values("task", key=lambda c: c.map(order), kind="stable")
+    every["knobs"] = every["knobs"].fillna("")
+    planned = {(t.task, t.method, t.seed, cell_name(t.knobs)): i for i, t in enumerate(exp.trials)}
+    copied = {(task, cell, method): i for i, (task, cell, method) in enumerate(exp.identities)}
+    real = every[every["status"] != "identity"]
+    real = real.assign(_at=[planned[k] for k in zip(real["task"], real["method"], real["seed"], real["knobs"])])
+    copies = every[every["status"] == "identity"]
+    copies = copies.assign(_at=[copied[k] for k in zip(copies["task"], copies["knobs"], copies["method"])])
+    real, copies = (f.sort_values(["_at", "seed"], kind="stable").drop(columns="_at") for f in (real, copies))
     manifest = exp.manifest
     first = {"tasks": list(exp.kept), "wall_seconds": old_manifest.get("wall_seconds")}
     history = old_manifest.get("sessions") or [first]
     added = [t for t in exp.spec.tasks if t not in exp.kept]
     manifest["sessions"] = [*history, {"tasks": added, "wall_seconds": seconds}]
     manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
-    return joined, pd.concat([real, copies], ignore_index=True), manifest
+    return table, pd.concat([real, copies], ignore_index=True), manifest
 
 
 def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | None = None,
-            identities: list[tuple[str, str, str]] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+            identities: list[tuple[str, str, str]] | None = None,
+            kept: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Join the trials' rows; a trial Ray could not finish is listed with status `error`, never dropped.
 
     `retries` counts, per trial, how often Tune restarted it after its worker failed (this session).
     `identities` are (task, cell, method) where the method does not change the task's trainer: their rows
     are copies of the baseline's, marked `acts` False (real runs carry `acts` True).
+    `kept`: the rows an extended folder already holds; they join the table (and lend their baselines to
+    identities), and the trial list covers only this session's trials and identities.
     """
     frames, status = [], {}
     for result in results:
@@ -445,6 +457,9 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     if not table.empty:
         table["acts"] = True
+    if kept is not None:
+        table = pd.concat([kept, table], ignore_index=True)
+    if not table.empty:
         copies = []
         for task_ref, cell, method_ref in identities or ():
             base = table[(table["task_ref"] == task_ref) & (table["cell"] == cell) & (table["method"] == "baseline")]

@@ -261,9 +261,14 @@ def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
     common = ("run", "--tier", "smoke", "--seeds", "1", "--cpus", "1")
     grown, whole = tmp_path / "grown", tmp_path / "whole"
     assert stabench(*common, "--tasks", first, "--out", str(grown)).returncode == 0
+    # as if `no-update` had been registered after the folder was made: the extension must run it on the kept task
+    rows, trials = pd.read_parquet(grown / "metrics.parquet"), pd.read_csv(grown / "trials.csv")
+    rows[rows.method != "no-update"].to_parquet(grown / "metrics.parquet", index=False)
+    trials[trials.method != "no-update"].to_csv(grown / "trials.csv", index=False)
     proc = stabench(*common, "--tasks", f"{first},{second}", "--out", str(grown), "--extend")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"(adding {second})" in proc.stderr and f"{first} baseline" not in proc.stderr  # only the new task ran
+    assert f"(adding {second})" in proc.stderr and f"{first} no-update" in proc.stderr
+    assert f"{first} baseline" not in proc.stderr  # the kept trials did not run again
     assert stabench(*common, "--tasks", f"{first},{second}", "--out", str(whole)).returncode == 0
     pd.testing.assert_frame_equal(pd.read_parquet(grown / "metrics.parquet"), pd.read_parquet(whole / "metrics.parquet"))
     pd.testing.assert_frame_equal(pd.read_csv(grown / "trials.csv").drop(columns="seconds"),
