@@ -191,7 +191,7 @@ def fig_spectrum(table: pd.DataFrame, out: Path) -> list[Path]:
     sv = sorted(c for c in rows.columns if c.startswith("sv/") and rows[c].notna().any())
     fig, axes = plt.subplots(1, 2 if sv else 1, figsize=(12 if sv else 6, 4), squeeze=False)
     sns.lineplot(rows[rows["method"].isin(methods)], x="iteration", y="effective_rank", hue="method",
-                 errorbar=("ci", 95), ax=axes[0][0])
+                 errorbar=("ci", 95), seed=0, ax=axes[0][0])
     _onset(axes[0][0], rows)
     axes[0][0].set_ylabel("effective rank of the features")
     axes[0][0].set_title("Effective rank (mean, 95% CI over seeds)")
@@ -222,7 +222,7 @@ def _side_by_side(rows: pd.DataFrame, panels: list[tuple[str, str]], hue: str, t
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4))
     for ax, (column, label) in zip(axes, panels):
-        sns.lineplot(rows, x="iteration", y=column, hue=hue, errorbar=("ci", 95), ax=ax)
+        sns.lineplot(rows, x="iteration", y=column, hue=hue, errorbar=("ci", 95), seed=0, ax=ax)
         _onset(ax, rows)
         ax.set_ylabel(label)
     fig.suptitle(f"{title} (mean, 95% CI over seeds)")
@@ -292,7 +292,7 @@ def fig_entropy(table: pd.DataFrame, out: Path) -> list[Path]:
     for ax, task in zip(axes.flat, tasks):
         rows = table[(table["task"] == task) & (table["variant"] == "injected")
                      & table["role"].isin(["baseline", "matched-fix"])]
-        sns.lineplot(rows, x="iteration", y="entropy", hue="method", errorbar=("ci", 95), ax=ax)
+        sns.lineplot(rows, x="iteration", y="entropy", hue="method", errorbar=("ci", 95), seed=0, ax=ax)
         _onset(ax, rows)
         ax.set_title(task)
         ax.set_ylabel("policy entropy [nats]")
@@ -385,7 +385,7 @@ def _gap_against_return(rows: pd.DataFrame, column: str, label: str, out: Path, 
     per_run = per_run.join(gap, on=["method", "seed", "variant"])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     injected = rows[rows["variant"] == "injected"]
-    sns.lineplot(injected, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=axes[0])
+    sns.lineplot(injected, x="iteration", y=column, hue="method", errorbar=("ci", 95), seed=0, ax=axes[0])
     _onset(axes[0], injected)
     axes[0].set_ylabel(label)
     axes[0].set_title(f"{task}, injected runs (mean, 95% CI over seeds)")
@@ -450,7 +450,7 @@ def _lines(rows: pd.DataFrame, column: str, label: str, out: Path, name: str, lo
 
     rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
     fig, ax = plt.subplots(figsize=(7, 4))
-    sns.lineplot(rows, x="iteration", y=column, hue="method", errorbar=("ci", 95), ax=ax)
+    sns.lineplot(rows, x="iteration", y=column, hue="method", errorbar=("ci", 95), seed=0, ax=ax)
     _onset(ax, rows)
     if log:
         ax.set_yscale("log")
