@@ -270,7 +270,8 @@ def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
     assert f"(adding {second})" in proc.stderr and f"{first} no-update" in proc.stderr
     assert f"{first} baseline" not in proc.stderr  # the kept trials did not run again
     assert stabench(*common, "--tasks", f"{first},{second}", "--out", str(whole)).returncode == 0
-    pd.testing.assert_frame_equal(pd.read_parquet(grown / "metrics.parquet"), pd.read_parquet(whole / "metrics.parquet"))
+    pd.testing.assert_frame_equal(pd.read_parquet(grown / "metrics.parquet"),
+                                  pd.read_parquet(whole / "metrics.parquet"))
     pd.testing.assert_frame_equal(pd.read_csv(grown / "trials.csv").drop(columns="seconds"),
                                   pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
     grown_manifest, whole_manifest = (json.loads((d / "manifest.json").read_text()) for d in (grown, whole))
