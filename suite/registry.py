@@ -35,6 +35,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "hard-sample-shortcuts": "stabench.tasks.hard_sample_shortcuts:HardSampleShortcuts",
     "calibration-collapse": "stabench.tasks.calibration_collapse:CalibrationCollapse",
     "plasticity-loss": "stabench.tasks.plasticity_loss:PlasticityLoss",
+    "reward-model-drift": "stabench.tasks.reward_model_drift:RewardModelDrift",
 }
 
 BUILTIN_STABILIZERS: dict[str, str] = {
@@ -70,6 +71,7 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "isotropic-gaussian": "stabench.baselines.stabilizers.representation:IsotropicGaussian",
     "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
     "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
+    "r2m-features": "stabench.baselines.stabilizers.reward_models:R2MFeatures",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {

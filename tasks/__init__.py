@@ -32,6 +32,7 @@ ENVIRONMENTS: dict[str, tuple[str, dict[str, Any]]] = {
     "stabench/HardSampleShortcuts-v0": ("stabench.tasks.hard_sample_shortcuts:HardSampleShortcutsEnv", {}),
     "stabench/CalibrationCollapse-v0": ("stabench.tasks.calibration_collapse:CalibrationCollapseEnv", {}),
     "stabench/PlasticityLoss-v0": ("stabench.tasks.plasticity_loss:PlasticityLossEnv", {}),
+    "stabench/RewardModelDrift-v0": ("stabench.tasks.reward_model_drift:RewardModelDriftEnv", {}),
 }
 # The grid worlds a PPO task trains on (flattened MiniGrid rooms).
 WORLDS: tuple[str, ...] = ("stabench/EmptyFlat-5x5-v0", "stabench/EmptyFlat-8x8-v0")

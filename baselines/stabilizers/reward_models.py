@@ -22,12 +22,13 @@ the mean over-estimates.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from stabench.baselines.stabilizers.aggregation import group_centred
 from stabench.baselines.stabilizers.kl import KLk2Anchor
 from stabench.suite.api import Stabilizer
+from torch import nn
 
 ADV_EPS = 1e-4  # GRPOConfig.adv_eps
 
@@ -72,3 +73,22 @@ class ConservativeEnsembleNoAnchor(Stabilizer):
 
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return conservative_advantages(batch, self.k, advantages.dtype)
+
+
+class R2MFeatures(Stabilizer):
+    """R2M (Huang et al. 2026): the learned reward model reads the policy's evolving hidden states.
+
+    Setting (tasks/reward_model_drift.py): the task's reward model is a linear head refitted every iteration on
+    gold labels of the policy's samples, over a low-dimensional projection of a warm-start snapshot's hidden
+    states. A task that lets the reward model's features be switched says so with `provides = {"rm_features"}`
+    and reads the policy's `rm_features` attribute; this stabilizer sets it to "policy": the reward model reads
+    its own features concatenated with the live policy's hidden states (detached), recomputed every iteration,
+    as R2M feeds the policy's hidden states to the reward model. It changes no loss or gradient of the policy.
+    """
+
+    name = "r2m-features"
+    needs = frozenset({"rm_features"})
+
+    def model(self, model: nn.Module, spec: Mapping[str, Any]) -> nn.Module:
+        model.rm_features = "policy"
+        return model

@@ -1,0 +1,306 @@
+"""reward-model-drift: GRPO is paid by a learned reward model (RM) that keeps training on gold labels of the
+policy's own samples but reads a low-dimensional summary of hidden states fitted on what the warm start wrote;
+after the rule changes, the summary cannot separate the answers the new rule tells apart, the RM's errors on the
+current samples are what the policy is paid for, and the new rule is not learned (seed 000 section 8; Huang et
+al. 2026, R2M). Measured: the mechanism induced is feature aliasing by a stale projection, not the policy's
+drift as such (see "Mechanism").
+
+The world is entropy-collapse's (`tasks.entropy_collapse`): a prompt is two digits (a, b) from 0-5, an answer 3
+digits (216 answers, all enumerable), the policy the same tiny GPT-2 warm start (trained on the old rule: avoid a
+and b) and the same GRPO (k3 KL to the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam 2e-3, 2
+epochs per batch). Before onset (iteration 1 at the quick tier) the gold rule is the old one; from onset, in both
+branches, a correct answer must also avoid 5 (`correct_new`; the warm start's held-out accuracy under it 0.33).
+
+The reward model. Every iteration a labeler grades RM_LABELS = 16 of the batch's 64 answers by the gold rule; the
+RM is a ridge regression (penalty 1e-2, closed form, refitted every iteration) on the latest RM_REPLAY = 128
+labelled answers, and the policy is paid its prediction on every answer of the batch (GRPO normalizes it per
+group). What it reads (`FEATURE_SOURCES`), the only difference between the branches and the fix:
+- injected ("warm"): the warm-start snapshot's last hidden states at the 3 answer positions (96 numbers),
+  projected on their top RM_DIM = 3 principal directions over 64 answers the warm start wrote (fitted once per
+  seed at build): features that describe what the policy used to write. The RM keeps training on fresh labels.
+- control ("full"): the same snapshot's 96 hidden-state numbers, not projected.
+- fix (`r2m-features`, R2M): the warm features concatenated with the LIVE policy's 96 hidden-state numbers
+  (detached), read anew every iteration, in both branches (the stabilizer sets the policy's `rm_features`; the
+  task says it can with `provides = {"rm_features"}`, so the stabilizer acts on no other task).
+
+Return (the true one): the learner's exact expected gold reward on the 8 held-out prompts under the new rule,
+sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`), every iteration.
+- `return_floor` = 0.3187: the post-onset return of `frozen-at-onset`, mean of seeds 0-9 (per seed 0.27-0.37).
+- `return_ceiling` = 0.6982: the control's (baseline method) post-onset return, mean of seeds 0-9 (0.64-0.77).
+Ground truth: `heldout_accuracy`, its mean over the last 25% of the run, below 0.5 (the warm start 0.33, the
+frozen policies at most 0.39).
+
+Mechanism, as measured. (1) Aliasing: over all 216 answers of the 28 training prompts, a linear fit on the warm
+3-dimensional features predicts "holds a 5" no better than its base rate (0.58 against 0.58; 0.56-0.62 with 2-8
+principal directions), on the 96 unprojected numbers 0.98: answers with and without a 5 share their features,
+and the new rule's label (0.78 = base rate with any projection) is not linearly readable from them.
+(2) The RM on current samples (tail means, seeds 0-9): the baseline's RM, judged on each iteration's new labels
+before it is refitted on them (`rm_accuracy`), is right on 0.77 of them, the control's on 0.85, the fix's on
+0.87; within a group, of the pairs of answers with different gold it orders 0.56 as the gold does
+(`rm_pair_accuracy`, 0.5 is chance; control 0.74, fix 0.74), so GRPO's advantages carry almost nothing of the
+new rule; its mean |RM - gold| on the batch is 0.32 (control 0.20, fix 0.18), and it cannot fit even its own
+128 labels: `rm_fit_error` (mean squared residual on its replay) 0.15 against 0.05 and 0.04. The policy follows
+the RM's errors: its tail held-out accuracy (0.06-0.50) ends mostly below the warm start's 0.33.
+(3) Ablations (prototype /work/notes/i16/rmd/proto.py, 80 iterations, 10 seeds 0-9, the same world; onset 3;
+failures = tail accuracy below 0.5): warm projection 10/10 fail (0.08-0.36); the snapshot's full hidden states
+0/10 (0.64-0.75); the LIVE policy's hidden states projected on 3 principal directions refitted every iteration on
+the RM's own replay 6/10 (0.17-0.80); the same with the warm features beside them 5/10; the live policy's full
+hidden states alone 0/10 (0.74-0.84); the warm features beside the live policy's full hidden states (the fix)
+0/10 (0.68-0.76); the warm features beside the FROZEN snapshot's full hidden states 0/10 (0.70-0.88). So what
+fails is the projection fitted on the warm start's writing, and what the fix restores is the features it threw
+away; that the policy's hidden states are live is not needed at this scale (a frozen snapshot's unprojected
+states work as well). With 4 principal directions the warm projection failed 6/6 on seeds 0-5 at 50
+iterations and 7/10 (seed-dependent) in an early version of this module; with 6 or 8 it learned (0/6 fail):
+RM_DIM = 3 is where the aliasing is complete.
+The control is the snapshot's unprojected states rather than a refreshed projection: a snapshot of the policy
+refreshed every 5 iterations with its projection refitted on the current batch (the "only staleness" control)
+failed 0/10 at 80 iterations in the prototype but 4/10 in the module's first version (projection refitted on the
+replay: 4/10 too), too noisy for a control; the live policy refreshed every iteration is the fix bit for bit.
+
+Settings and where chosen (prototype on seeds 0-5 and 0-9, then the module on seeds 0-9): RM_DIM 3 (above),
+16 labels per iteration (32 did not change the picture), 128 replayed, 80 iterations (50 left the learners at
+0.55-0.75), onset 1 (at onset 3 the frozen-at-onset policies spread 0.23-0.43 and normalized to 0.14 on seeds
+100-109). Nothing was tuned on seeds 100-109 except the detector's threshold.
+
+Numbers (quick tier, 80 iterations, onset 1; normalized return with its 95% bootstrap interval):
+  seeds 0-9                  failed  control failed  normalized return     tail accuracy (per seed)
+    baseline                  9/10   0/10            -0.19 [-0.31, -0.04]  0.06-0.50 (control 0.66-0.85; 1.00)
+    r2m-features (fix)        0/10   0/10            1.05 [0.99, 1.10]     0.67-0.84
+    entropy-bonus             9/10   0/10            -0.15 [-0.27, -0.01]  0.17-0.56
+    kl-anchor                10/10   0/10            -0.26 [-0.36, -0.13]  0.15-0.39 (its control 0.70)
+    frozen-at-onset          10/10   10/10           0.00 [-0.04, 0.04]    0.27-0.37
+    no-update                10/10   10/10           0.02                  0.33
+  seeds 100-109 (fresh)
+    baseline                 10/10   0/10            -0.10 [-0.17, -0.01]  0.13-0.46 (control 0.60-0.86; 1.00)
+    r2m-features (fix)        0/10   0/10            1.07 [1.01, 1.14]     0.67-0.88
+    frozen-at-onset          10/10   10/10           0.05 [-0.01, 0.10]    0.28-0.39
+    no-update                10/10   10/10           0.02                  0.33
+The fix scores above 1: its RM reads more than the control's (the warm features and the live states), and it
+learns a little faster than the control.
+Non-fixes: `kl-anchor` (0.3 k3 to the warm start) and `entropy-bonus` do not touch the RM and fail like the
+baseline. A quick-tier trial (healthy phase and both branches) takes 5.5 s (median; 3.4-13 s with the machine
+shared by other jobs) on one core. The full tier (160 iterations, onset 1) was not measured.
+
+Detector: `rm_fit_error` (the RM's mean squared residual on its own 128 labels, visible to whoever
+trains it) above 0.13, chosen on seeds 100-109 only: there every baseline control stays at or below 0.12 after
+onset and every injected run passes 0.20 (score 100 [100, 100]; 0.12: 88, 0.14: 99.9, 0.10: 72). Replayed on
+seeds 0-9 it scores 91 [83, 100] (every control stays at or below 0.129; its 4% false alarms are injected runs
+that learned anyway). It alarms at onset: it sees features that cannot fit the labels (the aliasing), not a
+learner that stopped. The diagnostic the source names, the RM's accuracy on current samples (`rm_accuracy`,
+smoothed over 5 iterations as `rm_accuracy_recent`), scores at most 12 on seeds 100-109 (thresholds
+0.55-0.75): every RM, the controls' included, is wrong on the new labels for several iterations after the rule
+change (its replay still holds old labels), and the tail gap (0.77 against 0.85) is within the noise of 80
+labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from stabench.baselines.grpo import GRPO
+from stabench.baselines.tokens import sample_answers
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
+from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.tasks.entropy_collapse import (
+    ANSWER_LEN,
+    GRPO_CONFIG,
+    N_ACTIONS,
+    TRAIN_PROMPTS,
+    correct,
+    correct_new,
+    heldout_stats,
+    warm_policy,
+)
+from stabench.tasks.tokens import PromptedAnswerEnv
+from torch import nn
+
+# --- The reward model. -------------------------------------------------------------------------------------
+RM_DIM = 3  # the RM reads a RM_DIM-dimensional projection (principal directions) of the answer's hidden states
+RM_LABELS = 16  # gold labels per iteration (a labeler's budget), drawn from the current batch of 64
+RM_REPLAY = 128  # the most recent labelled samples the RM is fitted on
+RM_RIDGE = 1e-2  # ridge penalty of the RM's closed-form least-squares fit
+WARM_SAMPLES = 64  # warm-start samples the warm-start projection is fitted on
+RECENT = 5  # rm_accuracy_recent: the RM's accuracy on the labels of the last RECENT iterations (80 labels)
+ACCURACY_FLOOR = 0.5  # ground truth: tail mean of the held-out expected accuracy under the new rule
+
+# Where the RM's features come from: the injected branch ("warm": a RM_DIM-dimensional projection of the
+# warm-start snapshot's hidden states on their principal directions over what the warm start wrote), the control
+# ("full": the same snapshot's hidden states, not projected), and the fix ("policy", R2M: the warm features
+# concatenated with the live policy's hidden states, detached, read anew every iteration). The `r2m-features`
+# stabilizer sets the policy's `rm_features` attribute to "policy" (`Task.provides` "rm_features").
+FEATURE_SOURCES = ("warm", "full", "policy")
+
+
+class RewardModelDriftEnv(PromptedAnswerEnv):
+    """One episode: a training prompt (a, b), then 3 digits; paid the gold rule the RM is fitted to (`correct`
+    before onset, `correct_new` after: also avoid 5)."""
+
+    def __init__(self, after_onset: bool = True) -> None:
+        super().__init__(correct_new if after_onset else correct, TRAIN_PROMPTS, N_ACTIONS, ANSWER_LEN)
+
+
+def hidden_states(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """The network's last hidden states at the answer positions of prompt ++ answer, concatenated: [B, 3 * 32]."""
+    with torch.no_grad():
+        h = model.transformer(input_ids=torch.cat([prompts, answers], 1), use_cache=False).last_hidden_state
+    return h[:, prompts.shape[1] :, :].reshape(len(answers), -1).double()
+
+
+def principal_directions(h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and the top-k principal directions [d, k] of the rows of h."""
+    mean = h.mean(0)
+    _, _, v = torch.linalg.svd(h - mean, full_matrices=False)
+    return mean, v[:k].T
+
+
+def with_constant(z: torch.Tensor) -> torch.Tensor:
+    """Features with a constant column appended (the RM's bias)."""
+    return torch.cat([z, torch.ones(len(z), 1, dtype=z.dtype)], 1)
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Least squares with a small ridge penalty, x already holding its constant column: weights [d]."""
+    a = x.T @ x + RM_RIDGE * torch.eye(x.shape[1], dtype=x.dtype)
+    return torch.linalg.solve(a, x.T @ y)
+
+
+def pair_accuracy(pred: torch.Tensor, gold: torch.Tensor, group: torch.Tensor) -> float:
+    """Among pairs of answers of one group with different gold, the share the RM orders as the gold does."""
+    same = group[:, None] == group[None, :]
+    better = same & (gold[:, None] > gold[None, :])
+    n = int(better.sum())
+    return float((better & (pred[:, None] > pred[None, :])).sum()) / n if n else float("nan")
+
+
+class Features:
+    """The RM's feature map: a network (a frozen snapshot or the live policy) and a projection of its hidden
+    states. `source` says which (see FEATURE_SOURCES)."""
+
+    def __init__(self, snapshot: nn.Module, projection: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.snapshot, self.projection = snapshot, projection
+
+    def __call__(self, net: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+        mean, v = self.projection
+        return with_constant((hidden_states(net, prompts, answers) - mean) @ v)
+
+
+class RewardModelDriftRun:
+    """One seed: the trainer, the RM's replay and snapshot, and the Generators live here (deepcopy branches)."""
+
+    def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...]) -> None:
+        self.budget, self.diagnostics = budget, diagnostics
+        reference = warm_policy().eval().requires_grad_(False)
+        self.trainer = GRPO(warm_policy().train(), reference, correct, replace(GRPO_CONFIG, seed=seed), stabilizer)
+        self.prompt_rng = np.random.default_rng([seed, 1])
+        self.label_rng = np.random.default_rng([seed, 2])
+        snapshot = warm_policy().eval().requires_grad_(False)
+        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=WARM_SAMPLES // GRPO_CONFIG.group_size)
+        prompts = TRAIN_PROMPTS[which].repeat_interleave(GRPO_CONFIG.group_size, 0)
+        answers = sample_answers(snapshot, prompts, ANSWER_LEN, N_ACTIONS, np.random.default_rng([seed, 3]))
+        self.warm = Features(snapshot, principal_directions(hidden_states(snapshot, prompts, answers), RM_DIM))
+        self.replay_prompts = torch.zeros(0, TRAIN_PROMPTS.shape[1], dtype=torch.long)
+        self.replay_answers = torch.zeros(0, ANSWER_LEN, dtype=torch.long)
+        self.replay_labels = torch.zeros(0, dtype=torch.float64)
+        self.info: dict[str, float] = {}
+        self.accuracies: list[float] = []
+
+    def source(self, injected: bool) -> str:
+        if getattr(self.trainer.policy, "rm_features", None) == "policy":
+            return "policy"
+        return "warm" if injected or self.trainer.iteration < self.budget.onset else "full"
+
+    def feature_map(self, source: str):
+        """The RM's features of this iteration, a function of (prompts, answers) (see FEATURE_SOURCES)."""
+        warm = self.warm
+        if source == "warm":
+            return lambda p, a: warm(warm.snapshot, p, a)
+        if source == "full":
+            return lambda p, a: with_constant(hidden_states(warm.snapshot, p, a))
+        policy = self.trainer.policy
+        return lambda p, a: torch.cat([warm(warm.snapshot, p, a)[:, :-1],
+                                       with_constant(hidden_states(policy, p, a))], 1)  # fmt: skip
+
+    def reward_fn(self, injected: bool):
+        rule = correct if self.trainer.iteration < self.budget.onset else correct_new
+        source = self.source(injected)
+
+        def reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+            pick = torch.as_tensor(self.label_rng.choice(len(answers), RM_LABELS, replace=False))
+            labels = rule(prompts[pick], answers[pick]).double()
+            info = self.info
+            if len(self.replay_labels):  # the RM before this iteration's labels, judged on them: its accuracy
+                features = self.feature_map(source)
+                w = ridge_fit(features(self.replay_prompts, self.replay_answers), self.replay_labels)
+                info["rm_accuracy"] = float(((features(prompts[pick], answers[pick]) @ w > 0.5).double()
+                                             == labels).double().mean())  # fmt: skip
+            self.replay_prompts = torch.cat([self.replay_prompts, prompts[pick]])[-RM_REPLAY:]
+            self.replay_answers = torch.cat([self.replay_answers, answers[pick]])[-RM_REPLAY:]
+            self.replay_labels = torch.cat([self.replay_labels, labels])[-RM_REPLAY:]
+            features = self.feature_map(source)
+            x = features(self.replay_prompts, self.replay_answers)
+            w = ridge_fit(x, self.replay_labels)
+            info["rm_fit_error"] = float((x @ w - self.replay_labels).pow(2).mean())  # on its own labels
+            pred = features(prompts, answers) @ w
+            gold = rule(prompts, answers).double()
+            info["rm_gold_gap"] = float((pred - gold).abs().mean())
+            info["rm_batch_accuracy"] = float(((pred > 0.5).double() == gold).double().mean())
+            group = torch.arange(len(answers)) // self.trainer.config.group_size
+            info["rm_pair_accuracy"] = pair_accuracy(pred, gold, group)
+            info["batch_gold"] = float(gold.mean())
+            return pred.float()
+
+        return reward
+
+    def step(self, injected: bool) -> dict[str, float]:
+        self.info = {"rm_accuracy": float("nan")}
+        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=self.trainer.config.n_groups)
+        state = self.trainer.iterate(self.reward_fn(injected), TRAIN_PROMPTS[which])
+        stats = heldout_stats(self.trainer.policy)
+        if np.isfinite(self.info["rm_accuracy"]):
+            self.accuracies.append(self.info["rm_accuracy"])
+        recent = self.accuracies[-RECENT:]
+        row: dict[str, float] = {
+            "step": float(self.trainer.tokens),
+            "return": stats["heldout_accuracy"],
+            "heldout_accuracy": stats["heldout_accuracy"],
+            "old_rule_accuracy": stats["old_rule_accuracy"],
+            "entropy": state.extras["entropy"],
+            "reward": float(state.batch["rewards"].mean()),
+            **self.info,
+            "rm_accuracy_recent": float(np.mean(recent)) if recent else float("nan"),
+        }
+        for name in self.diagnostics:
+            row.update(DIAGNOSTICS[name](state))
+        return row
+
+
+class RewardModelDrift(Task):
+    """See the module docstring."""
+
+    id = "reward-model-drift"
+    family = "reasoning"
+    version = "1"
+    trainer = "grpo"
+    budgets = {
+        "smoke": Budget(iterations=6, onset=2, seeds=1, report_every=1),
+        "quick": Budget(iterations=80, onset=1, seeds=5),
+        "full": Budget(iterations=160, onset=1, seeds=10),
+    }
+    ground_truth = GroundTruth(
+        metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
+    )
+    provides = frozenset({"rm_features"})
+    matched_fix = "r2m-features"
+    methods = ("baseline", "r2m-features", "kl-anchor", "entropy-bonus")
+    # the RM cannot fit its own labels: threshold chosen on seeds 100-109 only (see the module docstring)
+    detector = DetectorSpec(metric="rm_fit_error", threshold=0.13, above=True)
+    diagnostics = ("grad_norms",)
+    privileged = ("heldout_accuracy", "old_rule_accuracy", "rm_gold_gap", "rm_batch_accuracy", "rm_pair_accuracy",
+                  "batch_gold")  # fmt: skip
+    return_floor = 0.3187  # frozen-at-onset: its post-onset return (held-out accuracy), mean of seeds 0-9
+    return_ceiling = 0.6982  # the control (baseline method): its post-onset return, mean of seeds 0-9
+
+    def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RewardModelDriftRun:
+        return RewardModelDriftRun(self.budget(tier), seed, stabilizer, self.diagnostics)
