@@ -6,62 +6,94 @@ of moves. The reward is terminal: the number of leading valid steps over 4 (a ch
 every step before it did). All 4**5 = 1,024 answers are enumerable, so the exact expected reward and the
 exact success probability (all four steps valid) come from one batched forward every iteration; the same
 next-token tables sample the batch (`TableSampler`, an exact ancestral sampler). Trainer: token PPO with a
-separate critic (`baselines/token_ppo.py`: an MLP over the one-hot prefix), 64 answers per iteration,
-GAE over the answer tokens with gamma 1 and lambda 0.5, normalized advantages, 2 epochs, clip 0.2, Adam
-3e-3 for the policy and the critic.
+separate critic (`baselines/token_ppo.py`, unchanged: an MLP over the one-hot prefix), 64 answers per
+iteration, GAE over the answer tokens with gamma 1 and lambda 0.9, advantages NOT normalized per batch, 2
+epochs, clip 0.2, Adam 3e-3 for the policy and the critic (v1: lambda 0.5, normalized advantages).
 
-The schedule. Healthy phase: the rule's moves are {+1, +2}. At onset the rule switches to {0, +3} in BOTH
-branches (every move the healthy policy learned becomes invalid). The injection, in the injected branch
-only: the critic is replaced at onset by a freshly initialized value head whose output layer is
-`CRITIC_SCALE` = 30 times too large (CleanRL's head has weights of std 1 / sqrt(width); this one 30 /
-sqrt(width)), as happens when a new value head is bolted on. The control is the task switch alone: same
-schedule, the old critic kept. So the injected branch differs from the control only by the critic.
+The schedule (quick tier: 90 iterations, onset 5; v1: 70 and 10). Healthy phase: the rule's moves are
+{+1, +2}. At onset the rule switches to the single move {+3} in BOTH branches (v1: {0, +3}): a new rule to
+learn, found by the control in 25-50 iterations. The injection, in the injected branch only: the critic is
+replaced at onset by a freshly initialized value head whose output layer is `CRITIC_SCALE` = 30 times too
+large (CleanRL's head has weights of std 1 / sqrt(width); this one 30 / sqrt(width)), as happens when a new
+value head is bolted on. The control is the task switch alone (the old critic kept).
 
-Ground truth: the exact expected reward under the current rule ("return"), averaged over the last quarter
-of the run, below 0.5: the policy does not get even half of the chain right on average, i.e. it has not
-learned the new rule. A fixed constant, chosen from what failure means, not from the runs.
+Ground truth: the exact expected reward under the current rule ("return"), averaged over the last quarter of
+the run, below 0.5 (not even half the chain on average: the new rule is not learned). A learner that never
+learns fails it: the uniform policy earns (1/4 + 1/16 + 1/64 + 1/256) / 4 = 0.083 on the new rule, the
+policy frozen at onset 0.05-0.08. Normalized return: floor 0.0629 = frozen-at-onset's mean post-onset return
+on seeds 0-9; ceiling 0.6241 = the baseline control's mean post-onset return on seeds 0-9 (its tail is
+0.92-1.00: the optimum, 1, is reached, but only after 25-50 iterations of learning). Both measured once at
+the quick tier and fixed.
 
-EXPERIMENTAL: the calibration does not reach the suite's bar (the baseline fails on 1 of 5 seeds, not 4).
+Calibration (quick tier, `stabench run --cpus 1`; results/calibration/value-cold-start/; 2-4 s a trial):
+| seeds | method | failed | control failed | normalized return [95% CI] | control normalized |
+|---|---|---|---|---|---|
+| 0-9 | baseline | 8/10 | 0/10 | 0.219 [0.105, 0.343] | 1.00 |
+| 0-9 | critic-warmup (20 iterations) | 2/10 | 0/10 | 0.531 [0.394, 0.651] | 1.00 |
+| 0-9 | entropy-bonus (named non-fix) | 10/10 | 1/10 | 0.061 [0.030, 0.106] | 0.87 |
+| 0-9 | no-update | 10/10 | 10/10 | 0.013 [0.009, 0.018] | 0.01 |
+| 0-9 | frozen-at-onset | 10/10 | 10/10 | -0.000 [-0.009, 0.009] | -0.00 |
+| 100-109 | baseline | 7/10 | 0/10 | 0.233 [0.088, 0.410] | 1.12 |
+| 100-109 | critic-warmup | 1/10 | 0/10 | 0.549 [0.394, 0.688] | 1.12 |
+| 100-109 | no-update | 10/10 | 10/10 | 0.016 [0.012, 0.019] | 0.02 |
+| 100-109 | frozen-at-onset | 10/10 | 10/10 | 0.011 [0.001, 0.021] | 0.01 |
+EXPERIMENTAL. Seeds 0-9 meet the bar at its edges (the baseline fails exactly 8/10, the fix sits exactly 60
+points below it); the fresh seeds 100-109 do not: the baseline fails 7/10 (< 8/10) and the fix's interval
+[0.394, 0.688] overlaps the baseline's [0.088, 0.410]. Control, references and the fix's failure rate pass
+on both sets. Not re-tuned after seeing seeds 100-109.
 
-Measured (quick tier: onset 10, 70 iterations; seeds 0-4; tail = the last 18 iterations' exact return):
-| method | injected tail return | control tail return | failed (injected / control) | normalized return |
-|---|---|---|---|---|
-| baseline | 0.98 0.99 0.83 0.04 0.99 | 1.00 x5 | 1/5 / 0/5 | 0.59 [0.32, 0.81] |
-| critic-warmup (20 iterations) | 1.00 0.98 1.00 0.95 0.99 | 1.00 x5 | 0/5 / 0/5 | 0.58 [0.53, 0.61] |
-| ppo-critic-entropy-bonus (0.05) | 0.99 0.35 0.96 0.96 1.00 | 1.00 x5 | 1/5 / 0/5 | 0.64 [0.47, 0.80] |
-The three variants the brief asks to separate (baseline, same seeds, tail return): (a) switch + critic reset
-(the injected branch) 0.98 0.99 0.83 0.04 0.99; (b) switch alone (the control) 1.00 x5; (c) nothing switches
-(old rule, old critic) 0.99 0.99 0.08 1.00 1.00. So the task switch alone never breaks the baseline, but (c)
-shows that plain token PPO with normalized advantages can also fall off a solved task by itself (seed 2:
-once every answer earns the same reward, the normalized advantages are pure critic noise).
+Mechanism, as measured. At onset 5 the healthy policy is still broad (entropy 1.35 of ln 4 = 1.39). The
+injected head reads a value error of 5-12 at onset (median 6.8, the control 0.3) and, with advantages not
+normalized, its errors are 5-30 times the reward signal for the first 20-30 iterations (median value error 2.7
+at iteration 8, 1.2 at 15, 0.5 at 25). In that window the baseline's policy follows the head instead of the
+reward: its median return stays at 0.06-0.10 until iteration 35 (0.14 at 50) while the control's reaches 0.47
+at iteration 35 and 0.87 at 50, and it leaves the window no closer to the rule than the untouched policy
+(entropy 1.17 at iteration 25, some seeds at 0.6-0.9 on wrong moves) and learns late: tail return median 0.37
+(0.08-0.83). The fix shows the cost is the critic's, not the rule's: the policy waits 20 iterations (entropy
+1.33, return 0.06) while the head regresses on Monte-Carlo returns (value error 0.6 at iteration 25), then
+learns at the control's pace (0.34 at 50, 0.83 at 70, tail 0.28-0.99). So the failure here is the head's error
+driving the policy for as long as the error is large, which costs more than waiting; it is a delay that the
+budget turns into failure, not a permanent collapse (at 100 iterations 7/10 baseline runs fail, the fix 0/10).
+Ablations (prototype /work/notes/i16/vcs/proto.py, same harness, seeds 0-9):
+| change from the chosen settings | injected failed | control failed |
+|---|---|---|
+| none (scale 30, lambda 0.9, unnormalized) | 8/10 | 0/10 |
+| fresh head at the right scale (critic_scale 1) | 0/10 (tail 0.99) | 0/10 |
+| critic_scale 10 | 2/10 | 0/10 |
+| advantages normalized per batch | 5/10 | 1/10 |
+| lambda 1 (no bootstrapping: the head enters only as the baseline V(s_t)) | 6/10 | 0/10 |
+So the factor is the head's scale, acting through advantages that are not normalized: replacing the critic
+by a fresh head is harmless, a 10x head mostly so; normalizing the advantages halves the failures;
+removing the bootstrapped (1 - lambda) V(s_{t+1}) share removes only 2 of 8 failures, so at this lambda the
+damage is mostly the variance of a huge state-dependent baseline (V(s_t) differs between the sampled
+prefixes, so R - V(s_t) ranks answers by the head, not by the reward), not a systematic bias.
 
-Mechanism, as measured. The injected head is visible at once and stays visible: the critic's RMSE against
-the Monte-Carlo return (`value_error`) jumps from 0.3-0.4 to 5.5-12 at onset and, in the baseline, stays at
-2-6 for the whole run (it even grows in the runs that learn): the trainer's lambda-return targets bootstrap
-from the broken head ((1 - lambda) V(s_{t+1}) per step), so it chases its own errors. The warm-up, which
-regresses on Monte-Carlo returns, brings it to 0.5-0.7 by the end of its 20 iterations (0.1-0.4 later; one seed drifts
-back to 2.7 once bootstrapping resumes). Yet the policy mostly learns the new rule despite the broken critic:
-a per-state error V(s_t) is an action-independent baseline (no bias in expectation), and with lambda = 0.5
-only the (1 - lambda) V(s_{t+1}) share biases the advantages, towards a random ranking of the next states
-that moves as the critic moves; the true signal wins on most seeds. Where the baseline fails (seed 3) the
-policy wanders at entropy 0.65-1.0 for 40 iterations at return 0.05-0.25 and then commits to wrong moves
-(entropy 0.27, return 0.03); seed 2 is slowed (0.83). The fix's normalized return is not above the
-baseline's: it pays for 20 iterations of frozen policy after onset. The entropy guard fails a different seed.
-So the diagnostic is clean (the threshold detector on `value_error` fires at onset on every injected run and
-never on a control) while the return damage is a seed-dependent race, not the reliable early collapse the
-failure mode names. Levers tried without reaching 4/5 (baseline, 4-5 seeds each, same harness): critic
-scale 10 (0/2 failed) or 100 (2/4); lambda 0 at scale 10 (1/4, controls at 0.50 and 0.32) or 0.3
-(2/5, one control fails); policy lr 1e-2 (2/5); lr 1e-2 with lambda 0.3 (3/5, one control fails); lr 1e-2
-with scale 100 (0/5: a larger head fails LESS, so the damage is not monotone in the value error); a
-success-only reward (1/4, one control fails). In prototypes with a later onset (30-40), after the healthy
-policy had committed to one path (entropy 0.1-0.3), the task switch alone broke the control on some seeds:
-a committed policy cannot re-explore, which is not the critic's failure; hence the early onset, with the
-policy still broad.
+What was tried before these settings (5 seeds each unless said; "inj" / "ctl" = injected / control failures):
+- v1 world (moves {0, 3} after onset, onset 10, 70 iterations, lambda 0.5, normalized advantages): 1/5 inj
+  (v1 docstring: critic scale 10/100, lambda 0/0.3, policy lr 1e-2, success-only reward never past 3/5).
+  Critic lr 1e-3: 3/5 inj; 3e-4: 2/5; critic lr 1e-3 with policy lr 1e-2 / 5e-3 / epochs 4: 2-3/5 with 1/5
+  ctl; critic lr 1e-3 + lambda 0.3: 4/5 inj and 1/5 ctl on seeds 0-4, 2/5 inj on 5-9; unnormalized: 0/5,
+  with critic lr 1e-3: 2/5. A critic carried over from the old rule with its output x10 / x30 (it ranks
+  old-rule states high): 1/5, 3/5; x30 with critic lr 3e-4: 7/10 inj, 0/10 ctl, but at that critic lr the
+  warm-up cannot repair the head (3/5 fail); the old critic mapped to a [-K, K] return convention
+  (pessimistic about new-move states), K = 1, 5, 30: 0/5, 0/5, 2/5. With two valid moves per step the true
+  signal wins: the visited states' errors are corrected by data, and the head's errors on unvisited states
+  act as an exploration bonus as often as a deterrent.
+- {3} world, lambda 0.5 (onset 5, 80 iterations): normalized 10/10 inj, 3/10 ctl; unnormalized 10/10 inj,
+  1/10 ctl (seeds 100-109: 10/10 inj, 3/10 ctl), the policy commits to the head's favourite next states
+  (entropy 0.01-0.6, tail 0.00-0.23); but critic-warmup fails 9/10 and 10/10 there: 0.5 of residual error
+  after the warm-up, bootstrapped at weight 0.5, still outweighs the rule's signal (0.25 a step); warm-up 40
+  (10/10 at 80 iterations, 7/10 at 120), warm-up + Monte-Carlo value targets after it (VC-PPO's decoupled
+  GAE, lambda_critic 1): 8/10. Lambda 0.8: 10/10 inj but 2/10 ctl (80 and 100 iterations). Lambda 0.9 at
+  80 iterations: 8/10 inj, 0/10 ctl, fix 4/10; at 100 iterations: 7/10, 0/10, fix 0/10; 90 chosen between
+  them on seeds 0-9.
+Settings chosen on seeds 0-9 only. Disclosure: seeds 100-109 were run twice, once with the lambda 0.5
+settings above (which failed the bar on seeds 0-9 already: fix 9/10) and once with the final settings; the
+switch to lambda 0.9 / 90 iterations was decided on seeds 0-9 prototypes, and nothing was changed after the
+final run on seeds 100-109.
 
-Suite 0.3.0: the plain guard `ppo-critic-entropy-bonus` is retired for the one `entropy-bonus` (0.05 times the
-exact entropy, added to token-PPO's own term, 0 here: the same loss); the critic-warmup now reads the
-Monte-Carlo return-to-go as `mc_returns` (`returns` holds the value targets, as in every trainer). Re-run at
-the quick tier (5 seeds): baseline 1/5 fail, critic-warmup 0/5, entropy-bonus 0/5; verdict unchanged.
+Detector: `value_error` above 1.5, chosen on seeds 100-109 only: there the healthy phase never exceeds 0.55
+and the control 0.40, while the injected branch reads 4.1-10.5 at onset.
 """
 
 from __future__ import annotations
@@ -88,7 +120,7 @@ from torch import nn
 N_ACTIONS = 4
 ANSWER_LEN = 5
 MOVES_BEFORE = (1, 2)  # valid moves a_t - a_{t-1} mod 4 before onset (and in neither branch after)
-MOVES_AFTER = (0, 3)  # valid moves from onset on, in both branches
+MOVES_AFTER = (3,)  # the one valid move from onset on, in both branches
 
 # --- The policy, the critic and the trainer. --------------------------------------------------------------
 MODEL = {"n_embd": 32, "n_layer": 1, "n_head": 2}
@@ -97,7 +129,7 @@ CRITIC_SCALE = 30.0  # the injected value head's output scale (the healthy head'
 RESET_SEED_OFFSET = 7919  # the injected head's init is seeded by seed + this offset
 PPO_CONFIG = TokenPPOConfig(
     n_answers=64, answer_len=ANSWER_LEN, n_actions=N_ACTIONS, lr=3e-3, critic_lr=3e-3, gamma=1.0,
-    gae_lambda=0.5, epochs=2, minibatches=1, clip_coef=0.2, vf_coef=0.5, ent_coef=0.0, norm_adv=True,
+    gae_lambda=0.9, epochs=2, minibatches=1, clip_coef=0.2, vf_coef=0.5, ent_coef=0.0, norm_adv=False,
 )  # fmt: skip
 FAIL_BELOW = 0.5  # ground truth: tail-mean expected reward below half the chain
 
@@ -243,12 +275,12 @@ class ValueColdStart(Task):
 
     id = "value-cold-start"
     family = "reasoning"
-    version = "1"
+    version = "2"
     trainer = "token-ppo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
-        "quick": Budget(iterations=70, onset=10, seeds=5),
-        "full": Budget(iterations=130, onset=10, seeds=10),
+        "quick": Budget(iterations=90, onset=5, seeds=5),
+        "full": Budget(iterations=180, onset=5, seeds=10),
     }
     ground_truth = GroundTruth(metric="return", threshold=FAIL_BELOW, fails_when="below", reduce="tail_mean",
                                tail=0.25)
@@ -258,10 +290,10 @@ class ValueColdStart(Task):
     # right after the task switch the old critic reads up to 1; a mis-scaled head reads several times that.
     detector = DetectorSpec(metric="value_error", threshold=1.5)
     diagnostics = ("value_fit",)
-    return_floor = 0.0  # no valid step
-    return_ceiling = 1.0  # every step valid
+    return_floor = 0.0629  # frozen-at-onset's mean post-onset return, seeds 0-9 (quick tier)
+    return_ceiling = 0.6241  # the baseline control's mean post-onset return, seeds 0-9 (quick tier)
     knobs_type = Knobs
-    experimental = True  # see the module docstring: the baseline fails on 1 of 5 seeds
+    experimental = True  # see the module docstring: seeds 100-109 miss the bar (baseline fails 7/10)
 
     def __init__(self, **knobs: object) -> None:
         super().__init__(**knobs)

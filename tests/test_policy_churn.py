@@ -16,7 +16,15 @@ from stabench.suite import registry
 from stabench.suite.api import Diverged, StabenchError, Stabilizer, TrainState
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.tasks.grids import make_vector_env
-from stabench.tasks.policy_churn import ENV_ID, PolicyChurn, frozen_units, optimal_return, state_table
+from stabench.tasks.policy_churn import (
+    ENV_ID,
+    ROTATION,
+    PolicyChurn,
+    RelabeledEnvs,
+    frozen_units,
+    optimal_return,
+    state_table,
+)
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -137,13 +145,13 @@ def test_rows_deterministic_per_seed_and_branching() -> None:
     for global_seed in (123, 456):
         torch.manual_seed(global_seed)  # the global torch state must not matter
         run = task.build("smoke", 1, registry.make_stabilizer("chain"))
-        rows.append([run.step(i >= 2) for i in range(3)])
+        rows.append([run.step(i >= 2) for i in range(4)])  # onset 2; updates restart at iteration 3
     assert all(same_rows(x, y) for x, y in zip(*rows))
     row = rows[0][-1]
     for col in ("step", "return", "entropy", "policy_churn", "value_churn", task.ground_truth.metric,
                 task.detector.metric):
         assert col in row and math.isfinite(row[col])
-    assert 0.0 <= row["return"] <= task.return_ceiling + 1e-9
+    assert 0.0 <= row["return"] <= optimal_return() + 1e-9
 
     run = task.build("smoke", 0, Stabilizer())
     run.step(False)
@@ -176,8 +184,10 @@ def test_world_passes_check_env_and_table_matches_env() -> None:
                 assert s == -1
                 break
             assert s == index[(int(base.agent_pos[0]), int(base.agent_pos[1]), int(base.agent_dir))]
-    # the optimal policy's exact return is the ceiling; a policy that only turns never arrives
-    assert PolicyChurn.return_ceiling == pytest.approx(optimal_return(), abs=1e-9)
+    # the exact optimum; the normalization is anchored on the frozen policy (0) and the control's reach, below it
+    assert optimal_return() == pytest.approx(0.89875, abs=1e-9)
+    assert PolicyChurn.return_floor == 0.0 < PolicyChurn.return_ceiling < optimal_return()
+    # a policy that only turns never arrives
     dist = table.greedy_steps(np.full(len(table.obs), 2))  # always forward: only states facing the goal arrive
     assert np.isfinite(dist).sum() > 0 and np.isinf(dist).sum() > 0
     assert table.greedy_return(np.zeros(len(table.obs), dtype=np.int64)) == 0.0
@@ -185,7 +195,8 @@ def test_world_passes_check_env_and_table_matches_env() -> None:
 
 @pytest.mark.parametrize("kwargs", [{"updates_mult": 0}, {"updates_mult": 2.5}, {"lr_mult": 0.0},
                                     {"lr_mult": float("inf")}, {"ramp": -1}, {"onset": 0}, {"onset": 60},
-                                    {"onset": 2.5}, {"updates_mult": True}, {"bogus": 1}])
+                                    {"onset": 2.5}, {"updates_mult": True}, {"bogus": 1}, {"target_every": -1},
+                                    {"target_every": 1.5}, {"shift": 1}, {"activation": "gelu"}])
 def test_knob_validation(kwargs: dict) -> None:
     with pytest.raises(StabenchError):
         PolicyChurn(**kwargs)
@@ -201,3 +212,69 @@ def test_intensity_grid_and_frozen_units() -> None:
     saturated = torch.full((60, 1), 0.999)
     assert frozen_units([torch.cat([varying, saturated, varying], 1)]) == pytest.approx(1 / 3)
     assert math.isnan(frozen_units([]))
+
+
+def optimal_actions(next_state: np.ndarray) -> np.ndarray:
+    """A shortest-path greedy policy on a transition table (Bellman-Ford on unit costs)."""
+    dist = np.full(len(next_state), math.inf)
+    for _ in range(len(next_state) + 1):
+        dist = np.minimum(dist, (1.0 + np.where(next_state < 0, 0.0, dist[np.maximum(next_state, 0)])).min(1))
+    succ = np.where(next_state < 0, 0.0, dist[np.maximum(next_state, 0)])
+    return succ.argmin(1)
+
+
+def test_rotation_demands_relearning() -> None:
+    table = state_table()
+    rotated = table.next_state[:, ROTATION]
+    old = optimal_actions(table.next_state)
+    assert table.greedy_return(old) == pytest.approx(optimal_return())
+    # the policy that was optimal before onset earns almost nothing under the new rule (it mostly loops) ...
+    assert table.greedy_return(old, rotated) < 0.15
+    # ... while the optimum under the new rule is the same number (a relabeling of the same world)
+    assert table.greedy_return(optimal_actions(rotated), rotated) == pytest.approx(optimal_return())
+    assert sorted(ROTATION.tolist()) == [0, 1, 2] and all(ROTATION != np.arange(3))
+
+
+@pytest.mark.filterwarnings("ignore:.*different from the unwrapped version")
+def test_relabeled_envs_execute_the_rotated_action() -> None:
+    plain, relabeled = make_vector_env(ENV_ID, 2), RelabeledEnvs(make_vector_env(ENV_ID, 2), ROTATION)
+    a, _ = plain.reset(seed=3)
+    b, _ = relabeled.reset(seed=3)
+    assert np.array_equal(a, b)
+    for action in (0, 1, 2, 2, 1):
+        a = plain.step(np.full(2, ROTATION[action]))[0]
+        b = relabeled.step(np.full(2, action))[0]
+        assert np.array_equal(a, b)
+
+
+def test_onset_shifts_both_branches_and_injects_only_one() -> None:
+    task = PolicyChurn()
+    run = task.build("smoke", 0, Stabilizer())
+    onset = task.budget("smoke").onset
+    for _ in range(onset):
+        run.step(False)
+    assert run.trainer.updates > 0 and run.trainer.buffer.size == onset * 128
+    base = run.cfg
+    inj, ctl = copy.deepcopy(run), copy.deepcopy(run)
+    inj.step(True)
+    ctl.step(False)
+    for branch in (inj, ctl):  # the new rule, in both branches: relabeled actions, replay emptied, epsilon 1
+        assert isinstance(branch.trainer.envs, RelabeledEnvs)
+        assert np.array_equal(branch.next_state, branch.table.next_state[:, ROTATION])
+        assert branch.trainer.buffer.size == 128
+        assert branch.trainer.epsilon() > 0.9
+    assert not isinstance(run.trainer.envs, RelabeledEnvs)  # the copy at onset is untouched
+    # the injection, only in its branch: more updates per iteration, a higher lr, the target synced every update
+    assert inj.trainer.updates_per_iteration == base.updates_per_iteration * task.knobs.updates_mult
+    assert inj.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(base.learning_rate * task.knobs.lr_mult)
+    assert inj.trainer.cfg.target_every == task.knobs.target_every == 1
+    assert ctl.trainer.updates_per_iteration == base.updates_per_iteration
+    assert ctl.trainer.optimizer.param_groups[0]["lr"] == pytest.approx(base.learning_rate)
+    assert ctl.trainer.cfg.target_every == base.target_every
+    for _ in range(3):  # learning restarts once the new replay holds learning_starts transitions
+        inj.step(True)
+        ctl.step(False)
+    assert inj.trainer.updates - run.trainer.updates == 2 * (ctl.trainer.updates - run.trainer.updates) > 0
+    with torch.no_grad():  # the target network equals the network in the injected branch (synced every update)
+        q = inj.table.obs
+        assert torch.equal(inj.trainer.target(q), inj.trainer.model(q))

@@ -27,6 +27,7 @@ from stabench.tasks.representation_collapse import (  # noqa: E402
     ENV_ID,
     RepresentationCollapse,
     confident_shortfall,
+    cue_gap,
     world_table,
 )
 
@@ -72,30 +73,51 @@ def test_env_passes_check_env_and_matches_the_exact_table() -> None:
     check_env(env, skip_render_check=True)
     assert env.observation_space.shape == (75,) and env.action_space == gym.spaces.Discrete(3)
     table = world_table()
-    states = {(c, d): i for i, (c, d) in enumerate((c, d) for c in CELLS for d in range(4))}
+    assert len(table.goal) == 72 and table.start.sum() == 56
+    states = {s: i for i, s in enumerate((c, cell, d) for c in range(2) for cell in CELLS for d in range(4))}
     rng, base = np.random.default_rng(0), env.unwrapped
-    for episode in range(30):
+    cues, paid = set(), {True: set(), False: set()}
+    for episode in range(60):
+        base.cued, base.paying = episode % 2 == 1, (episode // 2) % 2
         obs, _ = env.reset(seed=episode)
+        cues.add(base.cue)
         for _ in range(10):
-            s = states[(tuple(int(v) for v in base.agent_pos), int(base.agent_dir))]
-            assert table.start[s] and np.array_equal(table.obs[s].numpy(), obs)
+            s = states[(base.cue, tuple(int(v) for v in base.agent_pos), int(base.agent_dir))]
+            assert table.start[s] and table.cue[s] == base.cue and np.array_equal(table.obs[s].numpy(), obs)
             action = int(rng.integers(3))
             obs, reward, terminated, truncated, _ = env.step(action)
-            s2 = states[(tuple(int(v) for v in base.agent_pos), int(base.agent_dir))]
+            s2 = states[(base.cue, tuple(int(v) for v in base.agent_pos), int(base.agent_dir))]
             assert table.next_state[s, action] == s2
-            assert terminated == (table.goal[s2] >= 0) and (reward > 0) == (table.goal[s2] == base.paying)
+            pays = table.paying(base.paying, base.cued)[s2]
+            assert pays == (base.cue ^ base.paying if base.cued else base.paying)
+            assert terminated == (table.goal[s2] >= 0) and (reward > 0) == (table.goal[s2] == pays)
+            if reward > 0:
+                paid[base.cued].add((base.paying ^ base.cue if base.cued else base.paying, int(table.goal[s2])))
             if terminated or truncated:
                 break
+    assert cues == {0, 1}
+    assert paid[False] == {(0, 0), (1, 1)} and paid[True] == {(0, 0), (1, 1)}  # (the rule's paying goal, reached)
+    # the cue is visible: the two cues' views of the same cell and direction differ, on the walls only
+    diff = (table.obs[:36] - table.obs[36:]).abs()
+    assert (diff.sum(1) > 0).all() and set(np.unique(diff.numpy()).round(3)) == {0.0, 0.5}
 
 
-def test_exact_values_and_the_fixed_ceiling() -> None:
+def test_exact_values_the_frozen_policy_earns_half() -> None:
     table = world_table()
     n = len(table.goal)
-    assert RepresentationCollapse.return_ceiling == table.optimum(0) == pytest.approx(table.optimum(1))
+    assert RepresentationCollapse.return_ceiling < table.optimum(0)
+    assert table.optimum(0) == table.optimum(1) == pytest.approx(table.optimum(0, True)) == pytest.approx(0.6657142857)
     uniform = np.full((n, 3), 1 / 3)
-    assert 0.0 < table.value(uniform, 0) < table.optimum(0)
+    assert table.value(uniform, 0) == pytest.approx(table.value(uniform, 0, True))
+    assert 0.0 < table.value(uniform, 0) < 0.2 * table.optimum(0)
+    place = table.greedy(0)  # the healthy phase's optimum: the left goal from every state
+    assert table.value(place, 0) == pytest.approx(table.optimum(0))
+    assert table.value(place, 0, True) == pytest.approx(0.5 * table.optimum(0))  # right for one cue of two
+    assert table.value(table.greedy(1, True), 1, True) == pytest.approx(table.optimum(0))
+    assert table.value(table.greedy(0, True), 1, True) == 0.0  # the swapped meaning of the cue
     assert confident_shortfall(0.0, 0.0) == 1.0 and confident_shortfall(0.0, math.log(3)) == 0.0
     assert math.isnan(confident_shortfall(math.nan, 0.5))
+    assert cue_gap(torch.ones(56, 16)) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -106,7 +128,9 @@ def test_exact_values_and_the_fixed_ceiling() -> None:
         ({"onset": 10_000}, "past every tier's horizon"),
         ({"fix": "no-such-fix"}, "unknown fix 'no-such-fix'"),
         ({"switch_every": 0}, "switch_every must be a positive integer"),
-        ({"control": "nope"}, "unknown control 'nope'"),
+        ({"control": "fixed"}, "unknown control 'fixed'"),
+        ({"reset": "nope"}, "unknown reset 'nope'"),
+        ({"isotropic_lam": -1.0}, "isotropic_lam must be a number >= 0"),
         ({"colour": 1}, "unknown knob(s) colour"),
     ],
 )
@@ -145,7 +169,8 @@ def test_rows_deterministic_per_seed_and_deepcopy_branches() -> None:
     for col in ("step", "return", "entropy", "tracking", "effective_rank", "sv/00", "sv/15", "state_entropy",
                 "tracking_error", "confident_shortfall", "exact_return"):
         assert col in row
-    assert row["paying"] == 1.0 and 1.0 <= row["effective_rank"] <= 16.0
+    assert row["paying"] == 0.0 and row["cued"] == 1.0 and 1.0 <= row["effective_rank"] <= 16.0
+    assert 0.0 <= row["cue_gap"] < 10.0
 
     # the regularizer's feature tap follows the copy; the copy and the original are independent
     a, b = copy.deepcopy(run), copy.deepcopy(run)
@@ -164,8 +189,45 @@ def test_fresh_control_replaces_the_network_at_each_switch() -> None:
     first = run.trainer.model
     rows = [run.step(False) for _ in range(6)]
     assert [r["networks"] for r in rows] == [1, 1, 2, 2, 3, 3]
-    assert [r["paying"] for r in rows] == [0, 0, 1, 1, 0, 0]
+    assert [r["cued"] for r in rows] == [0, 0, 1, 1, 1, 1]
+    assert [r["paying"] for r in rows] == [0, 0, 0, 0, 1, 1]
+    envs = run.trainer.envs
+    assert list(envs.get_attr("cued")) == [True] * 8 and list(envs.get_attr("paying")) == [1] * 8
     assert run.trainer.model is not first
     assert [math.isnan(r["tracking"]) for r in rows] == [True, True, True, False, True, False]
-    fixed = RepresentationCollapse(switch_every=2, tracking_window=1, control="fixed").build("smoke", 0, Stabilizer())
-    assert [fixed.step(False)["paying"] for _ in range(4)] == [0, 0, 0, 0]
+    assert rows[3]["tracking"] == rows[3]["exact_return"]  # window 1: the period's last update
+
+
+def test_default_schedule_reports_tracking_at_the_end_of_the_run() -> None:
+    run = RepresentationCollapse(tracking_window=2).build("smoke", 0, Stabilizer())  # one period: updates 2-5
+    rows = [run.step(True) for _ in range(6)]
+    assert [r["cued"] for r in rows] == [0, 0, 1, 1, 1, 1] and run.networks == 1
+    assert [math.isnan(r["tracking"]) for r in rows] == [True] * 5 + [False]
+    assert rows[-1]["tracking"] == pytest.approx((rows[-1]["exact_return"] + rows[-2]["exact_return"]) / 2)
+    assert rows[-1]["return"] == pytest.approx(rows[-1]["exact_return"] * world_table().optimum())
+
+
+@pytest.mark.parametrize(("part", "changed"), [("head", {"policy"}), ("trunk", {"layers", "out"}),
+                                                ("heads", {"policy", "value"})])
+def test_reset_reinitializes_only_its_part_at_the_switch(part: str, changed: set[str]) -> None:
+    run = RepresentationCollapse(reset=part).build("smoke", 0, Stabilizer())
+    run.step(True), run.step(True)
+    before = {k: v.clone() for k, v in run.trainer.model.state_dict().items()}
+    optimizer = run.trainer.optimizer
+    run.step(True)  # onset: the reset, then one update
+    assert run.trainer.optimizer is not optimizer
+    moved = {k.split(".")[0] for k, v in run.trainer.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed <= moved  # the reset part moved (re-initialized), the rest only by one update
+    fresh = RepresentationCollapse().build("smoke", 0, Stabilizer())
+    fresh.step(True), fresh.step(True), fresh.step(True)
+    same = {k.split(".")[0] for k, v in run.trainer.model.state_dict().items()
+            if torch.equal(v, fresh.trainer.model.state_dict()[k])}
+    assert not (same & changed)
+
+
+def test_isotropic_weight_is_a_task_setting_and_the_class_default_stays() -> None:
+    assert IsotropicGaussian.lam == 5.0
+    default = RepresentationCollapse().build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
+    assert default.stabilizer.inner.lam == 5.0
+    set_ = RepresentationCollapse(isotropic_lam=2.0).build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
+    assert set_.stabilizer.inner.lam == 2.0 and IsotropicGaussian.lam == 5.0

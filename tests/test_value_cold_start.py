@@ -34,11 +34,22 @@ def test_env_passes_check_env_and_pays_the_chain(switched: bool) -> None:
 
 
 def test_chain_counts_only_leading_valid_steps() -> None:
-    answers = torch.tensor([[0, 3, 3, 2, 1], [0, 0, 1, 1, 0], [2, 3, 0, 2, 3]])
-    # {0, 3}: moves 3 0 3 3 -> 4 valid; 0 1 0 3 -> 1 leading valid; 1 1 2 1 -> 0.
-    assert torch.allclose(vcs.REWARD_AFTER(None, answers), torch.tensor([1.0, 0.25, 0.0]))
-    # {1, 2}: 3 0 3 3 -> 0; 0 ... -> 0; 1 1 2 1 -> all 4.
-    assert torch.allclose(vcs.REWARD_BEFORE(None, answers), torch.tensor([0.0, 0.0, 1.0]))
+    answers = torch.tensor([[0, 3, 3, 2, 1], [0, 0, 1, 1, 0], [2, 3, 0, 2, 3], [3, 2, 1, 0, 3]])
+    # {3}: moves 3 0 3 3 -> 1 leading valid; 0 1 0 3 -> 0; 1 1 2 1 -> 0; 3 3 3 3 -> all 4.
+    assert torch.allclose(vcs.REWARD_AFTER(None, answers), torch.tensor([0.25, 0.0, 0.0, 1.0]))
+    # {1, 2}: 3 0 3 3 -> 0; 0 ... -> 0; 1 1 2 1 -> all 4; 3 ... -> 0.
+    assert torch.allclose(vcs.REWARD_BEFORE(None, answers), torch.tensor([0.0, 0.0, 1.0, 0.0]))
+
+
+def test_a_learner_that_never_learns_fails_the_new_rule() -> None:
+    # The uniform policy (what `no-update` keeps, up to its init) earns (1/4 + 1/16 + 1/64 + 1/256) / 4 on the new
+    # rule: below the ground truth's threshold and within 0.1 of the floor in normalized return.
+    uniform = float(vcs.REWARD_AFTER(None, vcs.ALL_ANSWERS).double().mean())
+    assert uniform == pytest.approx((1 / 4 + 1 / 16 + 1 / 64 + 1 / 256) / 4)
+    task = vcs.ValueColdStart()
+    assert uniform < task.ground_truth.threshold and task.normalized_return(uniform) <= 0.1
+    # The healthy rule's moves are all invalid after onset: the answer the old rule pays fully earns 0.
+    assert float(vcs.REWARD_AFTER(None, torch.tensor([[0, 1, 2, 3, 0]]))) == 0.0
 
 
 def test_gae_on_a_hand_computed_case() -> None:
