@@ -22,15 +22,12 @@ from stabench.suite import scoring
 from stabench.suite.api import StabenchError
 
 PAPER = Path("paper")
-# The default suite's quick tier, the staleness grid, and the experimental tasks' runs: the older three at the
-# quick tier, the four that fell below the bar under the learning rule and the two of Zheng et al. 2025 in
-# their 10-seed calibration runs.
+# The default suite's quick tier, the staleness grid, and the experimental tasks' 10-seed calibration runs.
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
-                   Path("results/experimental/representation-collapse"), Path("results/experimental/policy-churn"),
-                   Path("results/experimental/value-cold-start"),
                    *(Path("results/calibration") / task / "seeds-0-9"
-                     for task in ("dead-layers", "missing-critic", "rare-tool-states", "length-explosion",
-                                  "inference-mismatch", "moe-routing"))]
+                     for task in ("representation-collapse", "policy-churn", "value-cold-start", "dead-layers",
+                                  "missing-critic", "rare-tool-states", "length-explosion", "inference-mismatch",
+                                  "moe-routing"))]
 MATRIX = Path("results/matrix")  # `stabench run --matrix`: every stabilizer on every default task
 ONSET_STYLE = {"color": "0.25", "linestyle": "--", "linewidth": 1.0}
 
@@ -432,6 +429,14 @@ def fig_plasticity(table: pd.DataFrame, out: Path) -> list[Path]:
     return _fix_against_baseline(table, "plasticity-loss", panels, out, "19_plasticity_loss")
 
 
+def fig_reward_model_drift(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside how well the reward model orders and fits the current samples."""
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("rm_pair_accuracy", "RM orders within-group pairs as gold does"),
+              ("rm_fit_error", "RM residual on its own labels")]
+    return _fix_against_baseline(table, "reward-model-drift", panels, out, "20_reward_model_drift")
+
+
 def fig_inference_mismatch(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = _need(table, "inference-mismatch", "engine_kl")
     return _gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
@@ -780,6 +785,7 @@ FIGURES: list[tuple[str, Callable[[pd.DataFrame, Path], list[Path]]]] = [
     ("lucky shortcuts on impossible problems", fig_shortcuts),
     ("stated confidence against accuracy", fig_calibration),
     ("drift before a rule change", fig_plasticity),
+    ("a reward model on stale features", fig_reward_model_drift),
 ]
 
 
