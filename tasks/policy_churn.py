@@ -379,7 +379,7 @@ class PolicyChurn(Task):
     version = "2"
     trainer = "dqn"
     budgets = {
-        "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
+        "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
         "quick": Budget(iterations=60, onset=20, seeds=5),
         "full": Budget(iterations=120, onset=40, seeds=10),
     }

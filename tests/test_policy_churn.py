@@ -145,7 +145,7 @@ def test_rows_deterministic_per_seed_and_branching() -> None:
     for global_seed in (123, 456):
         torch.manual_seed(global_seed)  # the global torch state must not matter
         run = task.build("smoke", 1, registry.make_stabilizer("chain"))
-        rows.append([run.step(i >= 2) for i in range(4)])  # onset 2; updates restart at iteration 3
+        rows.append([run.step(i >= 3) for i in range(6)])  # onset 3; updates restart at iteration 4
     assert all(same_rows(x, y) for x, y in zip(*rows))
     row = rows[0][-1]
     for col in ("step", "return", "entropy", "policy_churn", "value_churn", task.ground_truth.metric,
@@ -207,7 +207,7 @@ def test_intensity_grid_and_frozen_units() -> None:
     assert len(cells) == 10 and all(PolicyChurn(**cell).knobs.lr_mult == cell["lr_mult"] for cell in cells)
     with pytest.raises(StabenchError):
         PolicyChurn().grid("no-such-grid", "quick")
-    assert PolicyChurn(onset=30).budget("quick").onset == 30 and PolicyChurn(onset=30).budget("smoke").onset == 2
+    assert PolicyChurn(onset=30).budget("quick").onset == 30 and PolicyChurn(onset=30).budget("smoke").onset == 3
     varying = torch.linspace(-0.5, 0.5, 60)[:, None]
     saturated = torch.full((60, 1), 0.999)
     assert frozen_units([torch.cat([varying, saturated, varying], 1)]) == pytest.approx(1 / 3)
