@@ -733,14 +733,16 @@ def matrix_wall_time(folder: Path | None) -> str:
             frame = frame[frame["status"] != "identity"]
         if "seconds" in frame and len(frame):
             parts.append(f"{len(frame)} trials took {_duration(frame['seconds'].sum())} of trial time in all")
-    wall = None
+    wall, sessions = None, []
     manifest = Path(folder) / "manifest.json"
     if manifest.is_file():
         try:
-            wall = json.loads(manifest.read_text()).get("wall_seconds")
+            recorded = json.loads(manifest.read_text())
+            wall, sessions = recorded.get("wall_seconds"), recorded.get("sessions") or []
         except (ValueError, AttributeError):
             wall = None
-    parts.append(f"{_duration(float(wall))} of wall time" if wall is not None
+    grown = f" over {len(sessions)} sessions (tasks added with `--extend`)" if len(sessions) > 1 else ""
+    parts.append(f"{_duration(float(wall))} of wall time{grown}" if wall is not None
                  else "wall time not recorded in the run folder")
     return "The matrix: " + "; ".join(parts) + "."
 

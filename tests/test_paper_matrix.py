@@ -159,3 +159,16 @@ def test_the_figure_is_drawn_from_a_table(tmp_path):
     with Image.open(png) as image:
         image.verify()
         assert image.size[0] > 600 and image.size[1] > 300
+
+
+def test_the_wall_time_of_an_extended_matrix_counts_every_session(tmp_path):
+    import json
+
+    pd.DataFrame({"status": ["ok", "ok", "identity"], "seconds": [30.0, 30.0, 0.0]}).to_csv(
+        tmp_path / "trials.csv", index=False)
+    sessions = [{"tasks": ["a"], "wall_seconds": 100.0}, {"tasks": ["b"], "wall_seconds": 20.0}]
+    (tmp_path / "manifest.json").write_text(json.dumps({"wall_seconds": 120.0, "sessions": sessions}))
+    text = paper.matrix_wall_time(tmp_path)
+    assert text.startswith("The matrix: 2 trials took 1.0 min of trial time in all; 2.0 min of wall time over 2 ")
+    (tmp_path / "manifest.json").write_text(json.dumps({"wall_seconds": 120.0}))
+    assert "sessions" not in paper.matrix_wall_time(tmp_path)
