@@ -288,6 +288,13 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False)
     manifest_path = out / MANIFEST
     if extend:
         exp.kept = _extension_base(out, spec)
+        have = pd.read_csv(out / TRIALS, keep_default_na=False, dtype=str)
+        planned = {t.key for t in exp.trials} | {f"{task}|{m}|" for task, _, m in exp.identities}
+        stale = sorted({f"{t} {m}" for t, m, s, k in zip(have["task"], have["method"], have["seed"], have["knobs"])
+                        if f"{t}|{m}|{s}|{k}" not in planned and f"{t}|{m}|" not in planned})
+        if stale:
+            raise StabenchError(f"{out} holds trials this request no longer plans ({', '.join(stale[:3])}"
+                                f"{', ...' if len(stale) > 3 else ''}): rerun it whole")
         return exp
     if resume:
         if not manifest_path.is_file():

@@ -284,3 +284,7 @@ def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
         refused = stabench(*common, *extra, "--out", str(grown), "--extend")
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
     assert folder_digest(grown) == before  # a refused extension changes nothing
+    trials = pd.read_csv(grown / "trials.csv")  # a trial of a method the registry no longer holds
+    pd.concat([trials, trials.head(1).assign(method="retired")]).to_csv(grown / "trials.csv", index=False)
+    refused = stabench(*common, "--tasks", f"{first},{second},hard-sample-shortcuts", "--out", str(grown), "--extend")
+    assert refused.returncode == 2 and "no longer plans" in refused.stderr, refused.stderr[-2000:]
