@@ -266,6 +266,7 @@ class Experiment:
     trials: list[TrialSpec] = field(default_factory=list)
     identities: list[tuple[str, str, str]] = field(default_factory=list)
     kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds
+    present: frozenset[tuple[str, str, str, str]] = frozenset()  # and its trials: (task, method, seed, cell)
 
     @property
     def manifest(self) -> dict:
@@ -289,9 +290,9 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False)
     if extend:
         exp.kept = _extension_base(out, spec)
         have = pd.read_csv(out / TRIALS, keep_default_na=False, dtype=str)
-        planned = {t.key for t in exp.trials} | {f"{task}|{m}|" for task, _, m in exp.identities}
-        stale = sorted({f"{t} {m}" for t, m, s, k in zip(have["task"], have["method"], have["seed"], have["knobs"])
-                        if f"{t}|{m}|{s}|{k}" not in planned and f"{t}|{m}|" not in planned})
+        exp.present = frozenset(zip(have["task"], have["method"], have["seed"], have["knobs"]))
+        planned = {(t.task, t.method) for t in exp.trials} | {(task, m) for task, _, m in exp.identities}
+        stale = sorted({f"{t} {m}" for t, m, _, _ in exp.present if (t, m) not in planned})
         if stale:
             raise StabenchError(f"{out} holds trials this request no longer plans ({', '.join(stale[:3])}"
                                 f"{', ...' if len(stale) > 3 else ''}): rerun it whole")
@@ -347,10 +348,8 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
     storage = str(exp.out.resolve())
     run, identities = exp.trials, exp.identities
     if exp.kept:  # what the request holds and the folder lacks: new tasks, and new methods on kept tasks
-        have = pd.read_csv(exp.out / TRIALS, keep_default_na=False, dtype=str)
-        keys = set(have["task"] + "|" + have["method"] + "|" + have["seed"] + "|" + have["knobs"])
-        run = [t for t in exp.trials if t.key not in keys]
-        copied = set(zip(have["task"], have["knobs"], have["method"]))
+        run = [t for t in exp.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in exp.present]
+        copied = {(task, cell, method) for task, method, _, cell in exp.present}
         identities = [i for i in exp.identities if i not in copied]
     name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
     tune_path = exp.out.resolve() / name

@@ -175,15 +175,15 @@ def pair_accuracy(pred: torch.Tensor, gold: torch.Tensor, group: torch.Tensor) -
 
 
 class Features:
-    """The RM's feature map: a network (a frozen snapshot or the live policy) and a projection of its hidden
-    states. `source` says which (see FEATURE_SOURCES)."""
+    """The injected RM's feature map: the frozen warm-start snapshot's hidden states, projected on their
+    principal directions over what the warm start wrote (with the constant column)."""
 
     def __init__(self, snapshot: nn.Module, projection: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.snapshot, self.projection = snapshot, projection
 
-    def __call__(self, net: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    def __call__(self, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
         mean, v = self.projection
-        return with_constant((hidden_states(net, prompts, answers) - mean) @ v)
+        return with_constant((hidden_states(self.snapshot, prompts, answers) - mean) @ v)
 
 
 class RewardModelDriftRun:
@@ -215,11 +215,11 @@ class RewardModelDriftRun:
         """The RM's features of this iteration, a function of (prompts, answers) (see FEATURE_SOURCES)."""
         warm = self.warm
         if source == "warm":
-            return lambda p, a: warm(warm.snapshot, p, a)
+            return warm
         if source == "full":
             return lambda p, a: with_constant(hidden_states(warm.snapshot, p, a))
         policy = self.trainer.policy
-        return lambda p, a: torch.cat([warm(warm.snapshot, p, a)[:, :-1],
+        return lambda p, a: torch.cat([warm(p, a)[:, :-1],
                                        with_constant(hidden_states(policy, p, a))], 1)  # fmt: skip
 
     def reward_fn(self, injected: bool):
