@@ -36,12 +36,13 @@ What `iterate()` returns (`suite.api.TrainState`):
 - `batch`: the iteration's last update's minibatch (the keys above); empty before learning starts;
 - `grads`: each parameter's gradient on the last update, cloned right after backward, before the
   stabilizer's `after_backward` and the optimizer step;
-- `losses`: means over the iteration's updates of `td_loss` (L_td), `q_mean` (mean Q(s, a) on the batch)
-  and `loss` (the sum of all terms, stabilizers' included; NaN when no update ran), and `entropy`: the mean
-  entropy of softmax(Q(s, .)) (temperature 1) over the observations the iteration acted on. That is the
-  entropy of a Boltzmann policy over Q, a measure of the action gaps; the epsilon-greedy policy's own
-  entropy is fixed by epsilon and says nothing about learning;
-- `extras`: `global_step` (env steps so far), `updates` (gradient updates so far), `epsilon`,
+- `losses`, DQN's subset of `suite.api.LOSS_SCHEMA`: means over the iteration's updates of `td_loss` (L_td),
+  `q_mean` (mean Q(s, a) on the batch) and `loss` (the sum of all terms, stabilizers' included; NaN when no
+  update ran), and `entropy`: the mean entropy of softmax(Q(s, .)) (temperature 1) over the observations the
+  iteration acted on. That is the entropy of a Boltzmann policy over Q, a measure of the action gaps; the
+  epsilon-greedy policy's own entropy is fixed by epsilon and says nothing about learning;
+- `extras`: `loss_terms` (the last update's terms after the `loss` hook; empty when no update ran),
+  `global_step` (env steps so far), `updates` (gradient updates so far), `epsilon`,
   `episode_return` (mean true undiscounted return of the episodes that ended during this iteration's
   collection, acting epsilon-greedily; NaN if none), `episodes` (their count), `updates_this_iteration`,
   `heldout_q`: a tensor (updates_this_iteration + 1) x S x n_actions of Q on the held-out states
@@ -244,6 +245,7 @@ class DQN:
         sums = {"td_loss": 0.0, "q_mean": 0.0, "loss": 0.0}
         grads: dict[str, torch.Tensor] = {}
         mb: dict[str, torch.Tensor] = {}
+        terms: dict[str, torch.Tensor] = {}
         heldout: list[torch.Tensor] = []
         in_batch: list[torch.Tensor] = []
         for _ in range(n_updates):
@@ -291,6 +293,7 @@ class DQN:
         losses = {k: (v / n_updates if n_updates else math.nan) for k, v in sums.items()}
         losses["entropy"] = float(torch.cat(entropies).mean())
         extras: dict[str, Any] = {
+            "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
             "global_step": self.global_step,
             "updates": self.updates,
             "updates_this_iteration": n_updates,

@@ -12,12 +12,14 @@ One `iterate` call is one GRPO iteration:
 3. Group-normalized advantage A_i = (R_i - mean_group R) / (std_group R + eps), broadcast to every token
    of answer i, then `stabilizer.advantages(A, batch)`. Variants: `baseline="batch"` subtracts the
    batch mean instead of the group mean (REINFORCE with a batch-mean baseline); `std_normalize=False`
-   drops the division by the group std (Dr. GRPO).
+   drops the division by the group std (Dr. GRPO). A group of one answer (`group_size=1`) has no std: it is
+   taken as 1 (verl's convention), so its advantage is 0 under the group baseline.
 4. `epochs` passes over the batch, each in `minibatches` Adam steps on disjoint sets of whole groups
    (default 1 x 1: one on-policy update). Per token, with r = pi / pi_old:
      policy term  -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)   (r against `anchor_logp` = pi_old)
      KL term      k3 = exp(d) - 1 - d, d = log ref - log pi  (TRL's default regularizer),
-                  through `stabilizer.kl_loss(k3, batch)`
+                  through `stabilizer.kl_loss(k3, batch)`; not clamped (verl's `low_var_kl` clamps d to
+                  [-20, 20] and k3 to at most 10), so a token the reference finds far likelier weighs in full.
    Each is aggregated over the minibatch's answer tokens as sum(per_token * token_weight), the weights
    set by `aggregation` (`token-mean`: 1 / number of tokens; `seq-mean`: 1 / (answers x |o_i|), the
    length-biased GRPO normalization; `constant`: 1 / (answers x answer_len), Dr. GRPO) into
@@ -35,11 +37,13 @@ tensor, beta). In `kl_loss` and `loss` the batch is the minibatch being updated 
 [B, L] (after the stabilizer), entropy [B, L] (per-token entropy with the graph), token_weight [B, L]
 (the aggregation weights: a stabilizer that rewrites the policy term aggregates it as
 sum(per_token * token_weight), like the trainer) and clip_low, clip_high (0-d tensors).
-The returned `TrainState.batch` holds the same keys, all detached; `extras` holds `entropy` (mean token
-entropy of the policy at sampling time), `full_vocab_kl` [B, L] (exact per-token KL(pi || ref) summed
-over the vocabulary at each sampled prefix), `advantages` [B, L] (after the stabilizer),
-`minibatch_grads` (one flat gradient vector per minibatch step of the last epoch: what a gradient-
-variance diagnostic reads) and `answer_len` [B] (tokens up to and including EOS).
+The returned `TrainState.batch` holds the same keys, all detached; `losses` follows `suite.api.LOSS_SCHEMA`
+(each update's value averaged over the iteration: loss, policy_loss, kl_loss (without beta), entropy_loss,
+approx_kl, clip_frac, ratio_p99, ratio_max, and entropy); `extras` holds `loss_terms` (the last update's terms
+after the `loss` hook), `entropy` (mean token entropy of the policy at sampling time), `full_vocab_kl` [B, L]
+(exact per-token KL(pi || ref) summed over the vocabulary at each sampled prefix), `advantages` [B, L] (after
+the stabilizer), `minibatch_grads` (one flat gradient vector per minibatch step of the last epoch: what a
+gradient-variance diagnostic reads) and `answer_len` [B] (tokens up to and including EOS).
 Task specifics (prompts, reward, answer length, the model) stay in the task.
 """
 
@@ -50,7 +54,15 @@ from typing import Literal
 
 import numpy as np
 import torch
-from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
+from stabench.baselines.losses import LossReport, ratio_statistics
+from stabench.baselines.tokens import (
+    RewardFn,
+    answer_logits,
+    answer_mask,
+    bos_prompts,
+    group_std,
+    sample_answers,
+)
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from stabench.suite.diagnostics import categorical_entropy, exact_kl, kl_estimate
 from torch import nn
@@ -87,7 +99,7 @@ def token_weights(mask: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown aggregation {how!r}")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
+def aggregate_tokens(per_token: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     """sum(per_token * token_weights(mask, how)), computed in the order of each definition."""
     if how == "token-mean":
         return (per_token * mask).sum() / mask.sum().clamp_min(1)
@@ -144,7 +156,7 @@ class GRPO:
         # 3. Group-normalized advantages, broadcast to tokens.
         r = rewards.view(cfg.n_groups, cfg.group_size)
         centred = r - (r.mean(1, keepdim=True) if cfg.baseline == "group" else r.mean())
-        adv_answer = (centred / (r.std(1, keepdim=True) + cfg.adv_eps) if cfg.std_normalize else centred).view(-1)
+        adv_answer = (centred / (group_std(r) + cfg.adv_eps) if cfg.std_normalize else centred).view(-1)
         adv = adv_answer[:, None].expand_as(mask) * mask
 
         logits = answer_logits(self.policy, prompts, answers, cfg.n_actions)
@@ -166,6 +178,7 @@ class GRPO:
         batch["advantages"] = adv
         batch["clip_low"], batch["clip_high"] = torch.tensor(cfg.clip_low), torch.tensor(cfg.clip_high)
         chunks = torch.arange(len(answers)).chunk(cfg.minibatches)
+        report = LossReport()
         for epoch in range(cfg.epochs):
             minibatch_grads = []
             for rows in chunks:
@@ -181,9 +194,17 @@ class GRPO:
                 policy_tok = -torch.min(ratio * mb_adv, ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high) * mb_adv)
                 k3 = kl_estimate(logp, mb["ref_logp"], "k3")
                 kl_tok = self.stabilizer.kl_loss(k3, mb)
-                terms = {
-                    "policy": aggregate(policy_tok, mb_mask, cfg.aggregation),
-                    "kl": cfg.beta * aggregate(kl_tok, mb_mask, cfg.aggregation),
+                policy_loss = aggregate_tokens(policy_tok, mb_mask, cfg.aggregation)
+                kl_loss = aggregate_tokens(kl_tok, mb_mask, cfg.aggregation)
+                terms = {"policy": policy_loss, "kl": cfg.beta * kl_loss}
+                with torch.no_grad():
+                    logratio = logp - mb["anchor_logp"]
+                    entropy_loss = (mb["entropy"] * mb["token_weight"]).sum()
+                reported = {
+                    "policy_loss": float(policy_loss.detach()),
+                    "kl_loss": float(kl_loss.detach()),
+                    "entropy_loss": float(entropy_loss),
+                    **ratio_statistics(ratio, logratio, cfg.clip_low, cfg.clip_high, mb_mask),
                 }
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
@@ -196,14 +217,17 @@ class GRPO:
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
                 self.stabilizer.after_backward(self.policy)
                 self.optimizer.step()
+                report.add({"loss": float(loss.detach()), **reported})
 
         self.iteration += 1
         self.tokens += int(mask.sum())
         batch["logp"] = old_logp
+        entropy = float((categorical_entropy(sampling_logits) * mask).sum() / mask.sum().clamp_min(1))
         extras = {
+            "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
             "minibatch_grads": minibatch_grads,
             "answer_len": mask.sum(1),
-            "entropy": float((categorical_entropy(sampling_logits) * mask).sum() / mask.sum().clamp_min(1)),
+            "entropy": entropy,
             "full_vocab_kl": exact_kl(sampling_logits, ref_logits),
             "advantages": adv,
         }
@@ -211,6 +235,6 @@ class GRPO:
             model=self.policy,
             batch={k: v.detach() for k, v in batch.items()},
             grads=grads,
-            losses={k: float(v.detach()) for k, v in terms.items()},
+            losses=report.means(entropy=entropy),
             extras=extras,
         )

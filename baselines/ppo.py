@@ -12,8 +12,8 @@
 Stabilizer hooks are called in the order of `suite.api.Stabilizer`: `model` and `optimizer` once at
 construction; per iteration `rollout` -> `advantages` (the whole rollout, before normalization); per
 minibatch `loss` -> backward -> `after_backward` -> optimizer step. Gradient clipping is *not* part of the
-trainer (CleanRL clips at 0.5 by default; here that is the `grad-clip` stabilizer). `rollout(batch, info)
--> batch` is called once per iteration after GAE with the whole flattened rollout (t-major: row
+trainer (CleanRL clips at 0.5 by default; here that is the `grad-clip` stabilizer). `Stabilizer.rollout(batch,
+info)` is called once per iteration after GAE with the whole flattened rollout (t-major: row
 t * num_envs + e) and `info` = num_steps, num_envs, gamma, gae_lambda, next_value, next_done; it may
 replace `advantages` and `returns` (V-trace does).
 
@@ -42,12 +42,13 @@ What `iterate()` returns (`suite.api.TrainState`):
 - `grads`: each parameter's gradient on the last minibatch, cloned right after backward, *before* the
   stabilizer's `after_backward` edits it and before the optimizer step (so a clipping stabilizer does
   not hide the raw gradient from the diagnostics);
-- `losses`: means over the iteration's minibatches of `policy_loss`, `value_loss` (0.5 MSE, without
-  vf_coef), `entropy_loss` (the minibatch entropy), `approx_kl`, `clip_frac`, `ratio_p99` (the
-  minibatches' 99th percentile of the ratio); plus `entropy`, the mean entropy of the policy that collected
-  the rollout, and `ratio_max` (the largest ratio of the iteration);
-- `extras`: `global_step` (env steps so far), `episode_return` (mean undiscounted true return of the
-  episodes that ended during this iteration's collection, NaN if none), `episodes` (their count),
+- `losses` (`suite.api.LOSS_SCHEMA`, every minibatch's value averaged over the iteration): `loss`, `policy_loss`,
+  `value_loss` (0.5 MSE, without vf_coef), `entropy_loss` (the minibatch entropy), `approx_kl`, `clip_frac`,
+  `ratio_p99` (the minibatches' 99th percentile of the ratio); plus `entropy`, the mean entropy of the policy
+  that collected the rollout, and `ratio_max` (the largest ratio of the iteration);
+- `extras`: `loss_terms` (the last minibatch's terms after the `loss` hook), `global_step` (env steps so far),
+  `episode_return` (mean undiscounted true return of the episodes that ended during this iteration's
+  collection, NaN if none), `episodes` (their count),
   `actor_lag` (the lag the rollout was collected at), `behaviour_kl` (mean exact KL(behaviour || pi_old)
   over the rollout's states; 0 without lag),
   `activations` (the trunk's hidden units on a held batch: the first iteration's observations).
@@ -63,6 +64,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines.losses import LossReport, ratio_statistics, upper_quantile  # noqa: F401  (re-exported)
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
 
@@ -83,17 +85,6 @@ class PPOConfig:
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     seed: int = 0
-
-
-def upper_quantile(x: torch.Tensor, q: float) -> torch.Tensor:
-    """`torch.quantile(x, q)` (linear interpolation) of a 1-D tensor without NaN, bit for bit, from the
-    top order statistics instead of a full sort: an order of magnitude cheaper for the p99 of a minibatch."""
-    n = x.numel()
-    rank = torch.tensor(q, dtype=x.dtype) * (n - 1)  # as torch.quantile: q in the input's dtype
-    below = int(rank)
-    top = torch.topk(x, n - below).values  # descending: top[-1] is the order statistic at `below`
-    above = top[-2] if rank > below else top[-1]
-    return top[-1].lerp(above, rank - below)
 
 
 def categorical_logprob_entropy(logits: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,20 +210,15 @@ class PPO:
             "dones": dones.reshape(-1),
             "old_logp": old_logprobs.reshape(-1),
         }
-        rollout_hook = getattr(self.stabilizer, "rollout", None)
-        if rollout_hook is not None:
-            info = {"num_steps": T, "num_envs": N, "gamma": cfg.gamma, "gae_lambda": cfg.gae_lambda,
-                    "next_value": next_value, "next_done": self.next_done}
-            batch = rollout_hook(batch, info)
+        info = {"num_steps": T, "num_envs": N, "gamma": cfg.gamma, "gae_lambda": cfg.gae_lambda,
+                "next_value": next_value, "next_done": self.next_done}
+        batch = self.stabilizer.rollout(batch, info)
         batch["advantages"] = self.stabilizer.advantages(batch["advantages"], batch).detach()
         if self.held_obs is None:
             self.held_obs = batch["obs"].clone()
 
         # 3. clipped-objective epochs
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "entropy_loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0,
-                "ratio_p99": 0.0}
-        ratio_max = 0.0
-        n_updates = cfg.update_epochs * cfg.num_minibatches
+        report = LossReport()
         grads: dict[str, torch.Tensor] = {}
         ones, weight = torch.ones(self.minibatch_size), torch.full((self.minibatch_size,), 1.0 / self.minibatch_size)
         clip = torch.tensor(cfg.clip_coef)
@@ -245,11 +231,7 @@ class PPO:
                 newlogprob, entropy = categorical_logprob_entropy(logits, mb["actions"])
                 logratio = newlogprob - mb["anchor_logp"]
                 ratio = logratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - logratio).mean()  # Schulman's k3 estimator
-                    clip_frac = ((ratio - 1.0).abs() > cfg.clip_coef).float().mean()
-                    ratio_p99 = upper_quantile(ratio, 0.99)
-                    ratio_max = max(ratio_max, float(ratio.max()))
+                ratio_stats = ratio_statistics(ratio, logratio, cfg.clip_coef, cfg.clip_coef)
 
                 mb_adv = mb["advantages"]
                 if cfg.norm_adv:
@@ -278,22 +260,18 @@ class PPO:
                 self.stabilizer.after_backward(model)
                 self.optimizer.step()
 
-                sums["policy_loss"] += float(pg_loss.detach())
-                sums["value_loss"] += float(v_loss.detach())
-                sums["entropy_loss"] += float(entropy_mean.detach())
-                sums["approx_kl"] += float(approx_kl)
-                sums["clip_frac"] += float(clip_frac)
-                sums["ratio_p99"] += float(ratio_p99)
+                report.add({"loss": float(loss.detach()), "policy_loss": float(pg_loss.detach()),
+                            "value_loss": float(v_loss.detach()), "entropy_loss": float(entropy_mean.detach()),
+                            **ratio_stats})
 
         for p in model.parameters():
             if not torch.isfinite(p).all():
                 raise Diverged(f"non-finite parameters after iteration {self.iteration}")
 
         self.iteration += 1
-        losses = {key: v / n_updates for key, v in sums.items()}
-        losses["entropy"] = float(entropies.mean())
-        losses["ratio_max"] = ratio_max
+        losses = report.means(entropy=float(entropies.mean()))
         extras = {
+            "loss_terms": {key: float(v.detach()) for key, v in terms.items()},
             "global_step": self.global_step,
             "episode_return": float(np.mean(ended)) if ended else math.nan,
             "episodes": len(ended),

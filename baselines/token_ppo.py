@@ -1,6 +1,6 @@
 """PPO with a critic for token policies, CleanRL-style: one file, read top to bottom, the math in plain sight.
 
-The policy is a tiny causal LM (see `tasks/tokens.py`); the critic is a separate small network that maps an
+The policy is a tiny causal LM (see `tasks/worlds/tokens.py`); the critic is a separate small network that maps an
 answer prefix to a value, `critic(prompts, answers) -> [B, L]`: entry [i, t] is V(s_t), the value of the
 state before answer token t of answer i (the prompt and the first t answer tokens). `PrefixCritic` below is
 one: an MLP over the one-hot encoding of the prefix. One `iterate` call is one PPO iteration:
@@ -39,7 +39,10 @@ many times it was replaced). In `loss` the batch is the minibatch being updated 
 L] (after the stabilizer and the normalization), entropy [B, L] (per-token entropy carrying the graph),
 new_values [B, L] (carrying the critic's graph), token_weight [B, L] (mask / number of tokens: a rewritten
 term aggregates as sum(per_token * token_weight)) and clip_low = clip_high = clip_coef (0-d). The returned
-`TrainState.batch` holds the same keys, detached; `extras` holds `values` [B, L] (the critic's
+`TrainState.batch` holds the same keys, detached; `losses` follows `suite.api.LOSS_SCHEMA` (each update's value
+averaged over the iteration: loss, policy_loss, value_loss (without vf_coef), entropy_loss, approx_kl, clip_frac,
+ratio_p99, ratio_max, and entropy); `extras` holds `loss_terms` (the last update's terms after the `loss` hook,
+with their coefficients), `values` [B, L] (the critic's
 predictions before its update), `returns` [B, L] (the Monte-Carlo return-to-go: what a perfect critic
 predicts on average; the `value_fit` diagnostic compares the two), `advantages` [B, L] (GAE after the
 stabilizer, before normalization), `entropy` (mean token entropy at sampling time), `critic_age` and
@@ -52,6 +55,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from stabench.baselines.losses import LossReport, ratio_statistics
 from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from stabench.suite.diagnostics import categorical_entropy
@@ -208,6 +212,7 @@ class TokenPPO:
         batch["advantages"] = adv
         batch["clip_low"] = batch["clip_high"] = torch.tensor(cfg.clip_coef)
         chunks = torch.arange(len(answers)).chunk(cfg.minibatches)
+        report = LossReport()
         for epoch in range(cfg.epochs):
             minibatch_grads = []
             for rows in chunks:
@@ -237,6 +242,12 @@ class TokenPPO:
                     "value": cfg.vf_coef * (value_tok * mb_mask).sum() / n_tok,
                     "entropy": -cfg.ent_coef * (entropy * mb_mask).sum() / n_tok,
                 }
+                with torch.no_grad():
+                    reported = {"policy_loss": float(terms["policy"]),
+                                "value_loss": float((value_tok * mb_mask).sum() / n_tok),
+                                "entropy_loss": float((entropy * mb_mask).sum() / n_tok),
+                                **ratio_statistics(ratio, logp - mb["anchor_logp"], cfg.clip_coef, cfg.clip_coef,
+                                                   mb_mask)}
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
@@ -250,17 +261,20 @@ class TokenPPO:
                 self.stabilizer.after_backward(self.policy)
                 self.optimizer.step()
                 self.critic_optimizer.step()
+                report.add({"loss": float(loss.detach()), **reported})
 
         self.iteration += 1
         self.critic_age += 1
         self.tokens += int(mask.sum())
         batch["logp"] = old_logp
         batch["advantages"] = adv
+        entropy = float((categorical_entropy(logits.detach()) * mask).sum() / mask.sum().clamp_min(1))
         extras = {
+            "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
             "values": values,
             "returns": returns,
             "advantages": adv,
-            "entropy": float((categorical_entropy(logits.detach()) * mask).sum() / mask.sum().clamp_min(1)),
+            "entropy": entropy,
             "critic_age": int(batch["critic_age"]),
             "minibatch_grads": minibatch_grads,
         }
@@ -268,6 +282,6 @@ class TokenPPO:
             model=self.policy,
             batch={k: v.detach() for k, v in batch.items()},
             grads=grads,
-            losses={k: float(v.detach()) for k, v in terms.items()},
+            losses=report.means(entropy=entropy),
             extras=extras,
         )

@@ -87,3 +87,12 @@ def answer_mask(answers: torch.Tensor, eos_id: int | None = None) -> torch.Tenso
     is_eos = (answers == eos_id).long()
     after_eos = (is_eos.cumsum(1) - is_eos) > 0
     return (~after_eos).float()
+
+
+def group_std(rewards: torch.Tensor) -> torch.Tensor:
+    """Each group's std [n_groups, 1] of rewards [n_groups, group_size] (unbiased, as GRPO); 1 for groups of one,
+    whose std is undefined (verl's convention): such an answer's advantage is its centred reward, 0 under the
+    group baseline, where the unbiased std of one element would make it NaN."""
+    if rewards.shape[1] == 1:
+        return torch.ones_like(rewards)
+    return rewards.std(1, keepdim=True)

@@ -33,8 +33,11 @@ The minibatch the `loss` hook sees follows `suite.api.BATCH_SCHEMA` ([b, P] per 
 actions, mask, turn (turn id per token), rewards, group, behaviour_logp, old_logp, advantages,
 token_weight, logp and entropy (current, with grad), clip_low, clip_high (0-d); beyond the schema ctx,
 inputs and tool_mask (token written in a tool state).
-`TrainState.extras`: entropy (mean token entropy of the trainer's policy at sampling time), ratio [B, P]
-(exp(logp after the update - behaviour_logp): what `ratio_tails` reads), tool_mask [B, P], clip_frac,
+`TrainState.losses` follows `suite.api.LOSS_SCHEMA` (each update's value averaged over the iteration: loss,
+policy_loss, entropy_loss, approx_kl, clip_frac, ratio_p99, ratio_max, and entropy). `TrainState.extras`:
+loss_terms (the last update's terms after the `loss` hook), entropy (mean token entropy of the trainer's policy
+at sampling time), ratio [B, P] (exp(logp after the update - behaviour_logp): what `ratio_tails` reads),
+tool_mask [B, P], clip_frac (the updates' clip fractions averaged by numpy, as the task's rows record it),
 minibatch_grads, advantages.
 """
 
@@ -45,7 +48,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from stabench.baselines.tokens import on_default_device
+from stabench.baselines.losses import LossReport, ratio_statistics
+from stabench.baselines.tokens import group_std, on_default_device
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from stabench.suite.diagnostics import categorical_entropy
 from torch import nn
@@ -131,7 +135,7 @@ class ToolPPO:
 
         # 2. Group-normalized outcome advantages, broadcast to every policy token of the episode.
         r = batch["rewards"].view(cfg.n_groups, cfg.group_size)
-        adv_episode = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + cfg.adv_eps)).view(-1)
+        adv_episode = ((r - r.mean(1, keepdim=True)) / (group_std(r) + cfg.adv_eps)).view(-1)
         adv = adv_episode[:, None].expand_as(mask) * mask
 
         # 3. The learner's own log-probs at the start of the update (pi_old).
@@ -144,6 +148,7 @@ class ToolPPO:
         # 4. Updates: ratio against the stored behaviour log-probs, clipped surrogate, token mean.
         chunks = torch.arange(cfg.n_groups * cfg.group_size).chunk(cfg.minibatches)
         clip_fracs = []
+        report = LossReport()
         for _ in range(cfg.epochs):
             minibatch_grads = []
             for rows in chunks:
@@ -154,8 +159,14 @@ class ToolPPO:
                 ratio = torch.exp(logp - mb["anchor_logp"])
                 a = mb["advantages"]
                 policy_tok = torch.max(-a * ratio, -a * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))
-                clip_fracs.append(float((((ratio - 1).abs() > cfg.clip_high).float() * mb["mask"]).mean()))
                 terms = {"policy": (policy_tok * mb["token_weight"]).sum()}
+                with torch.no_grad():
+                    reported = {
+                        "policy_loss": float(terms["policy"]),
+                        "entropy_loss": float((mb["entropy"] * mb["token_weight"]).sum()),
+                        **ratio_statistics(ratio, logp - mb["anchor_logp"], cfg.clip_low, cfg.clip_high, mb["mask"]),
+                    }
+                clip_fracs.append(reported["clip_frac"])
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
@@ -167,13 +178,16 @@ class ToolPPO:
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
                 self.stabilizer.after_backward(self.policy)
                 self.optimizer.step()
+                report.add({"loss": float(loss.detach()), **reported})
 
         with torch.no_grad():
             new_logp, _ = token_logp(self.policy, batch["inputs"], batch["actions"])
         self.iteration += 1
         self.tokens += int(mask.sum())
+        entropy = float((categorical_entropy(old_logits) * mask).sum() / mask.sum())
         extras = {
-            "entropy": float((categorical_entropy(old_logits) * mask).sum() / mask.sum()),
+            "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
+            "entropy": entropy,
             "ratio": torch.exp(new_logp - batch["behaviour_logp"]),
             "tool_mask": batch["tool_mask"],
             "clip_frac": float(np.mean(clip_fracs)),
@@ -184,6 +198,6 @@ class ToolPPO:
             model=self.policy,
             batch={k: v.detach() for k, v in batch.items()},
             grads=grads,
-            losses={k: float(v.detach()) for k, v in terms.items()},
+            losses=report.means(entropy=entropy),
             extras=extras,
         )

@@ -39,7 +39,7 @@ def ours(diagnostics: bool) -> Callable[[int], None]:
     from stabench.baselines.ppo import PPO, PPOConfig
     from stabench.suite.api import Stabilizer
     from stabench.suite.diagnostics import DIAGNOSTICS
-    from stabench.tasks.grids import N_ACTIONS, make_vector_env
+    from stabench.tasks.worlds.grids import N_ACTIONS, make_vector_env
 
     torch.manual_seed(0)
     envs = make_vector_env(ENV_ID, N_ENVS)
@@ -61,7 +61,7 @@ def ours(diagnostics: bool) -> Callable[[int], None]:
 def sb3() -> Callable[[int], None]:
     """Stable-Baselines3's PPO; the returned function continues `learn` for that many updates."""
     import gymnasium as gym
-    import stabench.tasks.grids  # noqa: F401  (registers the stabench/ worlds)
+    import stabench.tasks.worlds.grids  # noqa: F401  (registers the stabench/ worlds)
     from stable_baselines3 import PPO as SB3PPO
     from stable_baselines3.common.env_util import make_vec_env
     from stable_baselines3.common.torch_layers import BaseFeaturesExtractor

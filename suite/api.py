@@ -10,15 +10,23 @@ needs (model, optimizer, environments, RNG state) must therefore live inside the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:  # torch is imported by the code that builds models, not by the CLI's argument checks
+    import pandas as pd
     import torch
     from torch import nn
 
 TIERS: tuple[str, ...] = ("smoke", "quick", "full")
+# The tiers whose task settings passed the calibration bar (`results/calibration.md`: every task at the quick
+# tier's budgets). `smoke` checks only that everything runs; `full` (longer runs, more seeds) was not
+# recalibrated when the tasks were redesigned, so its scores are not the calibrated claims: `stabench run` warns
+# and `stabench submit` refuses it.
+CALIBRATED_TIERS: tuple[str, ...] = ("quick",)
 # Learners that do not learn (`suite.references`): they anchor the floor of the stabilizer track.
 REFERENCE_METHODS: tuple[str, ...] = ("no-update", "frozen-at-onset")
 VARIANTS: tuple[str, ...] = ("injected", "control")
@@ -78,14 +86,32 @@ class DetectorSpec:
     above: bool = True
 
 
+@dataclass(frozen=True)
+class Figure:
+    """A figure a task draws for the paper.
+
+    `draw(table, out)` reads the tidy rows of every task in the results (it selects its own; a missing task or
+    column raises `stabench.suite.figures.Skip` with the reason), writes `out/figures/<name>.{pdf,png}` and
+    returns the paths. Figures are numbered by sorting `name`. `caption` is printed under the figure.
+    `grid_cells`: the figure also reads rows of a grid's cells (runs made with knobs), which others never see.
+    """
+
+    name: str
+    title: str
+    caption: str
+    draw: Callable[[pd.DataFrame, Path], list[Path]]
+    grid_cells: bool = False
+
+
 @dataclass
 class TrainState:
     """What a diagnostic may read after one training iteration.
 
     `batch` holds the iteration's rollout tensors (keys documented by each trainer), `grads` the
     gradient of each parameter on the iteration's last minibatch (taken before the optimizer step),
-    `losses` the scalar loss terms, and `extras` anything trainer-specific (reference log-probs,
-    activations, the exact distribution of a tiny policy, ...).
+    `losses` the scalar loss report (`LOSS_SCHEMA`: the keys `TRAINER_LOSSES` names for the trainer), and
+    `extras` anything trainer-specific (reference log-probs, activations, the exact distribution of a tiny
+    policy, ...) and, in every trainer, `loss_terms`: the terms the last update minimized, as floats.
     """
 
     model: nn.Module
@@ -160,15 +186,54 @@ TRAINER_KEYS: dict[str, frozenset[str]] = {
 }
 
 
+# The one loss report of every trainer, `TrainState.losses`: these keys (a trainer reports those `TRAINER_LOSSES`
+# names), with these meanings. Every value is the MEAN OVER THE ITERATION'S UPDATES (every minibatch step of every
+# epoch) of its value on the update's minibatch, except `ratio_max` (the largest over the updates) and `entropy`
+# (once, at rollout); NaN where no update ran. The values are the trainer's own terms, read before a stabilizer's
+# `loss` hook rewrites them, except `loss`. What the last update minimized, term by term after the hook and with
+# the coefficients, is `extras["loss_terms"]` ({"policy": ..., "value": ..., "kl": ..., "entropy": ..., "td": ...,
+# and the stabilizer's own}).
+LOSS_SCHEMA: dict[str, str] = {
+    "loss": "the sum the update minimized: every term after the `loss` hook, coefficients and stabilizers' included",
+    "policy_loss": "the trainer's policy term max(-A r, -A clip(r)) aggregated with `token_weight`, no coefficient",
+    "value_loss": "(V - target)^2 / 2 aggregated like the policy term, without vf_coef (trainers with a critic)",
+    "kl_loss": "the reference KL term after the `kl_loss` hook, aggregated, without beta (trainers with a reference)",
+    "entropy_loss": "per-action entropy of the policy being updated, aggregated with `token_weight` (the entropy "
+                    "term before its coefficient and sign)",
+    "approx_kl": "k3 estimate of KL(anchor || pi_theta): mean over real actions of (r - 1) - log r, r = exp(logp - "
+                 "anchor_logp)",
+    "clip_frac": "share of real actions whose ratio r lies outside [1 - clip_low, 1 + clip_high]",
+    "ratio_p99": "99th percentile (linear interpolation) of r over the update's real actions",
+    "ratio_max": "the largest r of the iteration (the max over its updates, not a mean)",
+    "entropy": "mean per-action entropy of the policy that collected the rollout (once per iteration)",
+    "td_loss": "DQN: mean (Q(s, a) - y)^2 over the replay sample",
+    "q_mean": "DQN: mean Q(s, a) over the replay sample",
+}
+_PG_LOSSES = frozenset({"loss", "policy_loss", "entropy_loss", "approx_kl", "clip_frac", "ratio_p99", "ratio_max",
+                        "entropy"})
+TRAINER_LOSSES: dict[str, frozenset[str]] = {
+    "ppo": _PG_LOSSES | {"value_loss"},
+    "grpo": _PG_LOSSES | {"kl_loss"},
+    "token-ppo": _PG_LOSSES | {"value_loss"},
+    "tool-ppo": _PG_LOSSES,
+    # DQN's subset: no policy ratio; `entropy` is that of softmax(Q(s, .)) over the states it acted on.
+    "dqn": frozenset({"loss", "td_loss", "q_mean", "entropy"}),
+}
+# The trainers that call the `rollout` hook (those with step rollouts); a stabilizer that overrides it applies only
+# to their tasks (`Stabilizer.applies_to`).
+ROLLOUT_TRAINERS: frozenset[str] = frozenset({"ppo"})
+
+
 class Stabilizer:
     """A plugin that changes a trainer through named hook points. Every hook defaults to no change.
 
     Hook order, the same in every trainer: `model` and `optimizer` once, when a run is built; then each
-    iteration `rollout` (trainers with step rollouts: PPO) -> `advantages` (once, on the whole batch) -> per
-    minibatch `kl_loss` (trainers with a reference KL term) -> `loss` -> backward -> `after_backward` ->
-    optimizer step. A hook receives the trainer's default value and returns what to use instead; the batch it
-    reads follows `BATCH_SCHEMA`. Diagnostics always see the raw gradients, taken before `after_backward`;
-    a gradient set to `None` in `after_backward` means "no update for that parameter", in every trainer.
+    iteration `rollout` (trainers with step rollouts, `ROLLOUT_TRAINERS`) -> `advantages` (once, on the whole
+    batch) -> per minibatch `kl_loss` (trainers with a reference KL term) -> `loss` -> backward ->
+    `after_backward` -> optimizer step. A hook receives the trainer's default value and returns what to use
+    instead; the batch it reads follows `BATCH_SCHEMA`. Diagnostics always see the raw gradients, taken before
+    `after_backward`; a gradient set to `None` in `after_backward` means "no update for that parameter", in every
+    trainer. What a trainer reports of its losses follows `LOSS_SCHEMA`.
 
     Where a stabilizer applies: `needs` names the batch keys (or task capabilities, `Task.provides`) it reads,
     and it runs on every task whose trainer and task provide them (`applies_to`). `trainers` narrows that by
@@ -187,6 +252,15 @@ class Stabilizer:
     def optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         return optimizer
 
+    def rollout(self, batch: dict[str, torch.Tensor], info: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Rewrite the whole rollout once per iteration, before `advantages` (trainers in `ROLLOUT_TRAINERS`).
+
+        `batch` is the iteration's flattened rollout with the trainer's advantages and value targets; return it
+        with any key replaced (V-trace replaces `advantages` and `returns`), the same shapes. `info` describes the
+        rollout (PPO: num_steps, num_envs, gamma, gae_lambda, next_value, next_done; rows are t-major,
+        t * num_envs + e). Default: the batch unchanged."""
+        return batch
+
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return advantages
 
@@ -202,9 +276,12 @@ class Stabilizer:
         """Edit gradients in place (clipping, per-layer normalization); `None` skips a parameter's update."""
 
     def applies_to(self, task: Task) -> bool:
-        """True where the task's trainer and the task provide every key this stabilizer `needs`."""
+        """True where the task's trainer and the task provide every key this stabilizer `needs` (and, for one that
+        overrides `rollout`, where the trainer calls that hook)."""
         if self.trainers and task.trainer not in self.trainers:
             return False
+        if type(self).rollout is not Stabilizer.rollout and task.trainer not in ROLLOUT_TRAINERS:
+            return False  # its `rollout` would never be called there
         return self.needs <= provided_keys(task)
 
 
@@ -296,9 +373,19 @@ class Task:
     # Batch keys and model capabilities this task adds to its trainer's schema (`Stabilizer.needs`): for
     # example a reward-model ensemble's predictions, or a policy that can bound its context.
     provides: ClassVar[frozenset[str]] = frozenset()
-    # Optional: a dataclass of constructor knobs with a `check(horizon)` method raising StabenchError and an
-    # optional `onset` field overriding the tiers' onsets (smoke excepted). The task then sets `self.knobs`.
+    # Optional: a dataclass of constructor knobs (`tasks.worlds.scaffold.OnsetKnobs` when the onset is the only
+    # one). An `onset` field overrides the tiers' onsets (smoke excepted) and is checked here, the same way for
+    # every task; other knobs are checked by the dataclass's optional `check(shortest_run)`, raising
+    # StabenchError. The task then holds `self.knobs`.
     knobs_type: ClassVar[type | None] = None
+    # The gymnasium environments the task defines: id -> entry point, or (entry point, default kwargs). An entry
+    # point is an attribute of the task's own module ("ToolCallEnv") or "package.module:attribute". Read from
+    # the source without importing the module (built-ins are registered at `import stabench`), so it must be
+    # a literal.
+    environments: ClassVar[Mapping[str, str | tuple[str, Mapping[str, Any]]]] = {}
+    # The task's figures in the paper, and the paragraph (Markdown) the paper prints for it above them.
+    figures: ClassVar[tuple[Figure, ...]] = ()
+    paper: ClassVar[str] = ""
 
     def __init__(self, **knobs: Any) -> None:
         if self.knobs_type is None:
@@ -312,7 +399,17 @@ class Task:
         if unknown:
             raise StabenchError(f"{self.id}: unknown knob {', '.join(unknown)}; known: {', '.join(known)}")
         self.knobs = self.knobs_type(**knobs)
-        self.knobs.check(min(b.iterations for tier, b in self.budgets.items() if tier != "smoke"))
+        shortest = min(b.iterations for tier, b in self.budgets.items() if tier != "smoke")
+        onset = getattr(self.knobs, "onset", None)
+        is_int = isinstance(onset, numbers.Integral) and not isinstance(onset, bool)
+        if onset is not None and not (is_int and 0 < onset < shortest):
+            raise StabenchError(
+                f"{self.id}: onset must be an integer in 1..{shortest - 1} (inside every quick and full run), "
+                f"got {onset!r}"
+            )
+        check = getattr(self.knobs, "check", None)
+        if check is not None:
+            check(shortest)
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> Run:
         raise NotImplementedError

@@ -12,11 +12,23 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from stabench.suite.api import TIERS, StabenchError
+from stabench.suite.api import CALIBRATED_TIERS, TIERS, StabenchError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+
+
+TIER_NOTES = {"smoke": "a few iterations", "quick": "the default", "full": "longer runs, more seeds"}
+
+
+def tier_status(tier: str) -> str:
+    """What `stabench list` says of a tier: only the calibrated ones (`CALIBRATED_TIERS`) carry the suite's claims."""
+    if tier == "smoke":
+        return "checks that everything runs; its scores mean nothing"
+    if tier in CALIBRATED_TIERS:
+        return "calibrated (results/calibration.md)"
+    return "NOT calibrated for the redesigned tasks: `run` warns, `submit` refuses it"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +49,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     from stabench.suite import registry
     from stabench.suite.diagnostics import DIAGNOSTICS
 
+    print("tiers:")
+    for tier in TIERS:
+        print(f"  {tier:<6} {TIER_NOTES.get(tier, '')}: {tier_status(tier)}")
     print("tasks:")
     for name in registry.names("task"):
         task = registry.get_task(name)
@@ -68,85 +83,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def run_sweep(args: argparse.Namespace) -> Path:
-    """The sweep `stabench run` asked for, run to the end; returns its folder."""
-    if args.tier not in TIERS:
-        raise StabenchError(f"unknown tier {args.tier!r}; choose from {', '.join(TIERS)}")
-    if args.cpus is not None and args.cpus < 1:
-        raise StabenchError(f"--cpus must be at least 1, got {args.cpus}")
-    from stabench.suite import registry, runner
+    """The sweep `stabench run` asked for, run to the end by the library call `stabench.run` makes too."""
+    from stabench.suite.sweep import run_sweep as sweep
 
-    tasks = args.tasks or tuple(
-        n for n in registry.names("task") if not registry.get_task(n).experimental
-    )
-    if args.family:
-        families = {n: registry.get_task(n).family for n in registry.names("task")}
-        known = sorted(set(families.values()))
-        unknown = sorted(set(args.family) - set(known))
-        if unknown:
-            raise StabenchError(f"unknown family {', '.join(unknown)}; known: {', '.join(known)}")
-        tasks = tuple(n for n in tasks if registry.get_task(n).family in args.family)
-        if not tasks:
-            raise StabenchError(f"no requested task belongs to the family {', '.join(args.family)}")
-    refs = registry.canonical
-    spec = runner.ExperimentSpec(
-        tier=args.tier,
-        tasks=tuple(map(refs, tasks)),
-        methods=tuple(map(refs, args.methods)) if args.methods else None,
-        seeds=args.seeds,
-        seed_start=args.seed_start,
-        stabilizers=tuple(map(refs, args.stabilizer or ())),
-        detectors=(*registry.DEFAULT_DETECTORS, *map(refs, args.detector or ())),
-        grid=args.grid,
-        matrix=args.matrix,
-    )
-    stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-    out = Path(args.out) if args.out else Path("results/runs") / f"{args.tier}-{stamp}"
-    if args.address:
-        runner.check_address(args.address)
-    if args.resume and args.extend:
-        raise StabenchError("--resume and --extend do not go together: finish the run, then extend it")
-    exp = runner.prepare(out, spec, args.resume, extend=args.extend)
-    runner.execute(exp, address=args.address, num_cpus=args.cpus, resume=args.resume)
-    return out
-
-
-def _load_tables(directories: list[str]):
-    """One table from several finished runs (for example one calibration run per task); rows of one run
-    must not appear twice."""
-    import pandas as pd
-
-    tables = [_load_table(d) for d in directories]
-    if len(tables) == 1:
-        return tables[0]
-    table = pd.concat(tables, ignore_index=True)
-    keys = [c for c in ("task", "cell", "method", "seed", "variant", "iteration") if c in table]
-    if table.duplicated(keys).any():
-        raise StabenchError("the runs overlap: the same task, method, seed and variant appears in two of them")
-    return table
-
-
-def _load_table(directory: str):
-    import pandas as pd
-    from stabench.suite.runner import METRICS
-
-    path = Path(directory) / METRICS
-    if not path.is_file():
-        raise StabenchError(f"no {METRICS} in {directory}: is it the --out folder of a finished `stabench run`?")
-    try:
-        return pd.read_parquet(path)
-    except Exception as exc:
-        raise StabenchError(f"cannot read {path}: {exc}") from exc
+    return sweep(args.tasks, tier=args.tier, methods=args.methods, family=args.family, seeds=args.seeds,
+                 seed_start=args.seed_start, stabilizers=args.stabilizer or (), detectors=args.detector or (),
+                 out=args.out, cpus=args.cpus, address=args.address, grid=args.grid, matrix=args.matrix,
+                 resume=args.resume, extend=args.extend)
 
 
 def cmd_score(args: argparse.Namespace) -> int:
     from stabench.suite import scoring
+    from stabench.suite.results import load_tables
 
     if args.calibration:  # the stabilizer track alone decides the bar
         from stabench.suite import calibration
 
-        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(_load_tables(args.dir)))))
+        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(load_tables(args.dir)))))
         return 0
-    table = _load_tables(args.dir)
+    table = load_tables(args.dir)
     if args.detector:  # replay new detectors over the stored rows: no training
         from stabench.suite import detectors, registry
 

@@ -5,7 +5,7 @@ the suite and library versions, the git commit of the suite, the date, the numbe
 scores, and the aggregate with its 95% interval:
 - stabilizer track: per task the mean normalized return after onset; aggregate the interquartile mean
   over all (task, seed) runs with a stratified bootstrap interval, and the probability of improvement over
-  the baseline with its interval (`suite.scoring.aggregate`). Methods are ranked only on the common task set
+  the baseline with its interval (`suite.scoring.across_tasks`). Methods are ranked only on the common task set
   (every task the baseline ran on): where a method does not change a task's trainer its runs are the
   baseline's (`acts_on` lists the tasks where it really acts); a method that lacks runs on some of the set
   is shown unranked, since its aggregate would compare tasks rather than methods;
@@ -39,7 +39,8 @@ from pathlib import Path
 import pandas as pd
 from filelock import FileLock
 from stabench.suite import registry, scoring
-from stabench.suite.api import StabenchError
+from stabench.suite.api import CALIBRATED_TIERS, StabenchError
+from stabench.suite.results import MANIFEST, METRICS, TRIALS
 
 COLUMNS = [
     "track", "name", "version", "tier", "suite_version", "libraries", "git_commit", "date", "n_seeds",
@@ -81,8 +82,6 @@ def _git_commit() -> str:
 
 def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
     """The table, manifest and trial list of a finished run folder, or one clear error."""
-    from stabench.suite.runner import MANIFEST, METRICS, TRIALS
-
     paths = [directory / METRICS, directory / MANIFEST, directory / TRIALS]
     for path in paths:
         if not path.is_file():
@@ -94,9 +93,16 @@ def load_run(directory: Path) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
 
 
 def validate_run(table: pd.DataFrame, manifest: dict, trials: pd.DataFrame) -> None:
-    """Refuse a run that is not a complete, current, honestly recorded grid for its tier."""
+    """Refuse a run that is not a complete, current, honestly recorded grid of a calibrated tier (or of smoke, the
+    tier that checks the walk-through: its rows say `smoke`)."""
     from stabench.suite.runner import SUITE_VERSION
 
+    tier = manifest.get("spec", {}).get("tier")
+    if tier != "smoke" and tier not in CALIBRATED_TIERS:
+        raise StabenchError(
+            f"the {tier} tier is not calibrated for the redesigned tasks (calibrated: {', '.join(CALIBRATED_TIERS)}): "
+            "its scores cannot join the leaderboard"
+        )
     if manifest.get("suite_version") != SUITE_VERSION or set(table["suite_version"]) != {SUITE_VERSION}:
         raise StabenchError(
             f"the run was made by suite version {manifest.get('suite_version')}, this is {SUITE_VERSION}: rerun it"
@@ -108,7 +114,6 @@ def validate_run(table: pd.DataFrame, manifest: dict, trials: pd.DataFrame) -> N
             f"incomplete run: {len(bad)} trials did not finish (first: {first['task']} {first['method']} "
             f"seed {first['seed']}: {first['status']})"
         )
-    tier = manifest["spec"]["tier"]
     expected_tasks = {registry.get_task(n).id for n in registry.names("task") if not registry.get_task(n).experimental}
     missing = expected_tasks - set(table["task"])
     if missing:
@@ -171,7 +176,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "results_digest": results_digest(table),
     }
-    aggregate = {a["method"]: a for a in scoring.aggregate(per_run)}
+    aggregate = {a["method"]: a for a in scoring.across_tasks(per_run)}
     rows = []
     for method in methods or []:
         own = per_run[(per_run["method"] == method) & (per_run["variant"] == "injected")]

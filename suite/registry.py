@@ -8,6 +8,8 @@ A name resolves, in order, to a built-in, to a Python entry point of an installe
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import importlib.util
 import sys
@@ -17,26 +19,93 @@ from typing import Any
 
 from stabench.suite.api import Budget, Detector, StabenchError, Stabilizer, Task
 
-BUILTIN_TASKS: dict[str, str] = {
-    "dead-layers": "stabench.tasks.dead_layers:DeadLayers",
-    "kl-estimator-bias": "stabench.tasks.kl_estimator_bias:KLEstimatorBias",
-    "parallel-staleness": "stabench.tasks.parallel_staleness:ParallelStaleness",
-    "representation-collapse": "stabench.tasks.representation_collapse:RepresentationCollapse",
-    "policy-churn": "stabench.tasks.policy_churn:PolicyChurn",
-    "missing-critic": "stabench.tasks.missing_critic:MissingCritic",
-    "value-cold-start": "stabench.tasks.value_cold_start:ValueColdStart",
-    "reward-hacking": "stabench.tasks.reward_hacking:RewardHacking",
-    "entropy-collapse": "stabench.tasks.entropy_collapse:EntropyCollapse",
-    "rare-tool-states": "stabench.tasks.rare_tool_states:RareToolStates",
-    "length-explosion": "stabench.tasks.length_explosion:LengthExplosion",
-    "degenerate-comparisons": "stabench.tasks.degenerate_comparisons:DegenerateComparisons",
-    "inference-mismatch": "stabench.tasks.inference_mismatch:InferenceMismatch",
-    "moe-routing": "stabench.tasks.moe_routing:MoERouting",
-    "hard-sample-shortcuts": "stabench.tasks.hard_sample_shortcuts:HardSampleShortcuts",
-    "calibration-collapse": "stabench.tasks.calibration_collapse:CalibrationCollapse",
-    "plasticity-loss": "stabench.tasks.plasticity_loss:PlasticityLoss",
-    "reward-model-drift": "stabench.tasks.reward_model_drift:RewardModelDrift",
-}
+# Task modules register themselves: every top-level module of `stabench.tasks` that defines a `Task` subclass
+# with a literal `id` is a built-in task (`discover_tasks`). A plugin task joins through an entry point of the
+# group `stabench.tasks`, a `path/to/file.py:Class` reference, or `register_task(cls)`.
+TASK_PACKAGE = "stabench.tasks"
+
+
+def _literal_class_fields(node: ast.ClassDef, names: tuple[str, ...]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.Assign):
+            targets = stmt.targets
+        else:
+            targets = [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+        value = getattr(stmt, "value", None)
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in names and value is not None:
+                try:
+                    found[target.id] = ast.literal_eval(value)
+                except ValueError as exc:
+                    what = f"{node.name}.{target.id}"
+                    raise StabenchError(f"{what} must be a literal (it is read without importing)") from exc
+    return found
+
+
+@functools.cache
+def discover_tasks() -> dict[str, tuple[str, dict[str, Any]]]:
+    """The built-in tasks, read from the source of `stabench.tasks` without importing it (so the CLI's argument
+    checks and `import stabench` stay fast): task id -> ("stabench.tasks.module:Class", its `environments`)."""
+    spec = importlib.util.find_spec(TASK_PACKAGE)
+    found: dict[str, tuple[str, dict[str, Any]]] = {}
+    for folder in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
+        for path in sorted(Path(folder).glob("*.py")):
+            if path.name.startswith("_"):
+                continue
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in tree.body:
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if "Task" not in bases:
+                    continue
+                fields = _literal_class_fields(node, ("id", "environments"))
+                if isinstance(fields.get("id"), str):
+                    found[fields["id"]] = (f"{TASK_PACKAGE}.{path.stem}:{node.name}", fields.get("environments", {}))
+    return found
+
+
+def environment_entries(module: str, environments: Any) -> dict[str, tuple[str, dict[str, Any]]]:
+    """A task's `environments` as gymnasium ids -> (absolute entry point, kwargs); bare names are in `module`."""
+    entries = {}
+    for env_id, value in dict(environments).items():
+        entry, kwargs = (value, {}) if isinstance(value, str) else value
+        entries[env_id] = (entry if ":" in entry else f"{module}:{entry}", dict(kwargs))
+    return entries
+
+
+def register_environments(entries: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """Register gymnasium ids (lazily: an entry point is a string); ids already registered are left as they are."""
+    import gymnasium as gym
+
+    for env_id, (entry_point, kwargs) in entries.items():
+        if env_id not in gym.registry:
+            gym.register(id=env_id, entry_point=entry_point, kwargs=dict(kwargs))
+
+
+def builtin_environments() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every gymnasium id the built-in tasks declare."""
+    entries: dict[str, tuple[str, dict[str, Any]]] = {}
+    for ref, environments in discover_tasks().values():
+        entries.update(environment_entries(ref.rpartition(":")[0], environments))
+    return entries
+
+
+_REGISTERED_TASKS: dict[str, type] = {}
+
+
+def register_task(cls: type) -> type:
+    """Add a task class to the registry at run time (usable as a class decorator) and register its gymnasium
+    environments. A Ray worker process must make the same call (import the module that makes it)."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)) or not isinstance(getattr(cls, "id", None), str):
+        raise StabenchError(f"{cls!r} is not a stabench.Task subclass with an `id`")
+    if cls.id in discover_tasks() and discover_tasks()[cls.id][0] != f"{cls.__module__}:{cls.__qualname__}":
+        raise StabenchError(f"task id {cls.id!r} is a built-in task's")
+    _REGISTERED_TASKS[cls.id] = cls
+    register_environments(environment_entries(cls.__module__, cls.environments))
+    return cls
+
 
 BUILTIN_STABILIZERS: dict[str, str] = {
     "baseline": "stabench.suite.api:Stabilizer",
@@ -91,6 +160,8 @@ BUILTIN_DETECTORS: dict[str, str] = {
 SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection")
 # Detectors whose alarms a run records.
 DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS if d not in SCORED_DETECTORS)
+
+BUILTIN_TASKS: dict[str, str] = {name: ref for name, (ref, _) in discover_tasks().items()}
 
 _KINDS: dict[str, tuple[dict[str, str], str, type]] = {
     "task": (BUILTIN_TASKS, "stabench.tasks", Task),
@@ -149,9 +220,11 @@ def _entry_points(group: str) -> dict[str, Any]:
 
 
 def names(kind: str) -> list[str]:
-    """Registered names of one kind: built-ins first, then installed entry points."""
+    """Registered names of one kind: built-ins first, then tasks registered at run time, then installed entry
+    points."""
     builtins, group, _ = _KINDS[kind]
-    return list(builtins) + sorted(set(_entry_points(group)) - set(builtins))
+    extra = [n for n in _REGISTERED_TASKS if n not in builtins] if kind == "task" else []
+    return list(builtins) + extra + sorted(set(_entry_points(group)) - set(builtins) - set(extra))
 
 
 def resolve_class(kind: str, name: str) -> type:
@@ -159,6 +232,8 @@ def resolve_class(kind: str, name: str) -> type:
     builtins, group, base = _KINDS[kind]
     if name in builtins:
         cls = load_object(builtins[name])
+    elif kind == "task" and name in _REGISTERED_TASKS:
+        cls = _REGISTERED_TASKS[name]
     elif is_reference(name):
         cls = load_object(name)
     else:
@@ -171,6 +246,8 @@ def resolve_class(kind: str, name: str) -> type:
             raise StabenchError(f"{kind} entry point {name!r} failed to load: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise StabenchError(f"{name!r} is not a {base.__module__}.{base.__name__} subclass")
+    if kind == "task" and name not in builtins:  # a plugin task's environments join gymnasium's registry
+        register_environments(environment_entries(cls.__module__, cls.environments))
     return cls
 
 
@@ -197,8 +274,9 @@ class PluginError(Exception):
 class Guarded(Stabilizer):
     """Wraps a stabilizer so that a failure names it and the hook where it happened.
 
-    A hook that raises, returns the wrong type or shape, or turns finite values into non-finite ones
-    raises `PluginError("<name>.<hook>: ...")`; the runner records the run as diverged with that text.
+    A hook that raises, returns the wrong type or shape, turns finite values into non-finite ones, or (`rollout`)
+    drops a batch key raises `PluginError("<name>.<hook>: ...")`; the runner records the run as diverged with that
+    text.
     """
 
     def __init__(self, inner: Stabilizer) -> None:
@@ -240,6 +318,19 @@ class Guarded(Stabilizer):
         out = self._call("optimizer", optimizer, model)
         if not isinstance(out, torch.optim.Optimizer):
             raise PluginError(f"{self.name}.optimizer returned {type(out).__name__}, expected a torch Optimizer")
+        return out
+
+    def rollout(self, batch: Any, info: Any) -> Any:
+        import torch
+
+        out = self._call("rollout", dict(batch), info)
+        if not isinstance(out, dict) or not all(isinstance(v, torch.Tensor) for v in out.values()):
+            raise PluginError(f"{self.name}.rollout returned {type(out).__name__}, expected a dict of tensors")
+        dropped = sorted(set(batch) - set(out))
+        if dropped:
+            raise PluginError(f"{self.name}.rollout dropped the batch keys {', '.join(dropped)}")
+        for key, value in batch.items():
+            self._tensor_like(f"rollout[{key!r}]", value, out[key])
         return out
 
     def advantages(self, advantages: Any, batch: Any) -> Any:

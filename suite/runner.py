@@ -34,13 +34,11 @@ if "RAY_AUTH_MODE" not in os.environ and (
 from ray import tune  # noqa: E402  (after the environment Ray reads at import)
 from stabench.suite import registry  # noqa: E402
 from stabench.suite.api import REFERENCE_METHODS, StabenchError  # noqa: E402
+from stabench.suite.results import MANIFEST, METRICS, TRIALS  # noqa: E402, F401  (the public names)
 from stabench.suite.trial import SUITE_VERSION, TrialSpec, cell_name, digest, run_trial  # noqa: E402, F401  (the public names)
 
 LIBRARIES = ("torch", "gymnasium", "minigrid", "transformers", "ray", "numpy", "pandas", "scipy")
 TUNE_DIR = "tune"
-METRICS = "metrics.parquet"
-TRIALS = "trials.csv"
-MANIFEST = "manifest.json"
 
 
 def library_versions() -> dict[str, str]:

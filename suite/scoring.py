@@ -45,11 +45,15 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 from stabench.suite import registry
-from stabench.suite.api import GroundTruth, Task
+from stabench.suite.api import GroundTruth, StabenchError, Task
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 LEAD_SMOOTHING, LEAD_MARGIN, LEAD_PERSIST = 5, 0.10, 3  # the lead time's "visible in the return"
+
+
+# The order methods are listed in, by role: the baseline, the matched fix, the others, the references.
+ROLE_ORDER = {"baseline": 0, "matched-fix": 1, "other": 2, "reference": 3}
 
 
 def run_failed(rows: pd.DataFrame, gt: GroundTruth, onset: int, iterations: int) -> bool:
@@ -95,16 +99,43 @@ def _plain(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
+def check_version(rows: pd.DataFrame, task: Task | type[Task]) -> None:
+    """Refuse rows made by another version of the task: its floor, ceiling and threshold are recorded for the
+    registry's version only, and today's anchors on yesterday's rows would score them silently wrong."""
+    if "task_version" not in rows:
+        return
+    made = sorted({str(v) for v in rows["task_version"].dropna().unique()} - {str(task.version)})
+    if made:
+        raise StabenchError(
+            f"{task.id}: the rows were made by task version {', '.join(made)}, this suite's {task.id} is version "
+            f"{task.version}, whose floor, ceiling and threshold would score them wrongly: rerun the task, or score "
+            "the rows with the suite that made them"
+        )
+
+
+def check_versions(table: pd.DataFrame) -> None:
+    """`check_version` for every task of a table at once: a caller that draws or writes before it scores (the
+    paper) refuses first."""
+    if "task_version" not in table:
+        return
+    by = "task_ref" if "task_ref" in table else "task"
+    for ref, rows in table.groupby(by, sort=True):
+        check_version(rows, registry.resolve_class("task", ref))
+
+
 def task_of(rows: pd.DataFrame, cell: str, cache: dict[str, Task] | None = None) -> Task:
-    """The task that made `rows` (rows of one task and grid cell), built with the cell's `knob_*` values."""
+    """The task that made `rows` (rows of one task and grid cell), built with the cell's `knob_*` values; rows of
+    another task version are refused (`check_version`)."""
     ref = rows["task_ref"].iloc[0] if "task_ref" in rows else rows["task"].iloc[0]
     key = f"{ref}|{cell}"
     if cache is not None and key in cache:
-        return cache[key]
-    knobs = {c[len("knob_"):]: _plain(rows[c].iloc[0]) for c in rows.columns if c.startswith("knob_") and cell}
-    task = registry.get_task(ref, **knobs)
-    if cache is not None:
-        cache[key] = task
+        task = cache[key]
+    else:
+        knobs = {c[len("knob_"):]: _plain(rows[c].iloc[0]) for c in rows.columns if c.startswith("knob_") and cell}
+        task = registry.get_task(ref, **knobs)
+        if cache is not None:
+            cache[key] = task
+    check_version(rows, task)
     return task
 
 
@@ -185,8 +216,7 @@ def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -
                 "drawdown": float(injected["drawdown"].mean()),
             }
         )
-    order = {"baseline": 0, "matched-fix": 1, "other": 2, "reference": 3}
-    return sorted(out, key=lambda r: (r["task"], order.get(r["role"], 3), r["method"]))
+    return sorted(out, key=lambda r: (r["task"], ROLE_ORDER.get(r["role"], 3), r["method"]))
 
 
 def _iqm(*samples: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -227,7 +257,7 @@ def common_tasks(per_run: pd.DataFrame) -> list[str]:
     return sorted(per_run.loc[per_run["method"] == "baseline", "task"].unique())
 
 
-def aggregate(per_run: pd.DataFrame) -> list[dict]:
+def across_tasks(per_run: pd.DataFrame) -> list[dict]:
     """Per method, across tasks: IQM of normalized return and probability of improvement over the baseline.
 
     A method is `ranked` when it has runs on every task of the common set (`common_tasks`; a method that
@@ -485,7 +515,7 @@ def score(table: pd.DataFrame) -> dict:
     per_run = outcomes(table)
     return {
         "stabilizer_track": stabilizer_track(table, per_run),
-        "aggregate": aggregate(per_run),
+        "aggregate": across_tasks(per_run),
         "detector_track": detector_track(table, per_run),
     }
 

@@ -1,20 +1,21 @@
 """calibration-collapse: the policy states a confidence after its answer; after onset its problems can only be
 guessed, and under a binary correctness reward the stated confidence stays where the warm start left it, far
-above the accuracy (seed 002, RLCR). Measured: a binary reward gives the confidence token no expected gradient
-(the advantage depends on the answer only), so nothing moves it but noise and the KL term, which holds it at the
-warm start's; a Brier term in the reward moves it down to the accuracy.
+above the accuracy (seed 002, RLCR). A binary reward gives the confidence token no expected gradient (the
+advantage depends on the answer only), so nothing moves it but noise and the KL term, which holds it at the warm
+start's; a Brier term in the reward moves it down to the accuracy. `results/calibration.md` holds the measured
+numbers.
 
-The world is entropy-collapse's (`tasks.entropy_collapse`) with one more token: a prompt is two digits (a, b)
-from 0-5, an answer is 3 digits then a confidence digit d (stated confidence d / 5), 216 x 6 sequences, all
+The world is the digit world (`tasks.worlds.digits`) with one more token: a prompt is two digits (a, b) from
+0-5, an answer is 3 digits then a confidence digit d (stated confidence d / 5), 216 x 6 sequences, all
 enumerable. The policy is the same tiny GPT-2 (1 layer, 32 wide, from a config), warmed up by a supervised phase
 on answers that avoid a and b (the old rule), each followed by a confidence digit drawn from `WARM_CONFIDENCE`
-whatever the answer (mean 0.83: about right for a policy that writes valid answers). GRPO as entropy-collapse's
+whatever the answer (mean 0.83: about right for a policy that writes valid answers). GRPO as the digit world's
 (k3 KL to the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam 2e-3, 2 epochs per batch), with
 answers of 4 tokens.
 
 What must be learned after onset (both branches). Before onset the old rule pays (1 for an answer avoiding a and
 b). From onset an answer must also avoid 5 (`correct_new`), which the warm start writes often: both branches
-learn it (the share of valid answers goes from 0.28 at onset to 0.9 in the control).
+learn it.
 
 The injection. From onset every problem of the injected branch has a hidden last digit: an answer is accepted
 only if it is valid and its last digit equals a digit drawn uniformly, per answer, from {0..4} - {a, b}
@@ -25,68 +26,43 @@ Return and ground truth, exact by enumeration on the 8 held-out prompts: with p(
 is accepted in the branch's world, `heldout_brier` = sum_x pi(x) sum_c pi(c | x) (c / 5 - p(x))^2, the squared
 gap between the stated confidence and the chance of being right (the Brier score less its irreducible part).
 The return is 1 - `heldout_brier`. Ground truth: `heldout_brier`, its mean over the last 25% of the run above
-0.25. A learner that does not learn fails: the warm start (`no-update`) and the policies frozen at onset keep
-their confident old-rule answers (0.5-0.7 in the injected world).
-- `return_floor`: the policy frozen at onset, its post-onset return in the injected world, mean of seeds 0-9.
-- `return_ceiling`: the control's (baseline method, control branch) post-onset return, mean of seeds 0-9.
+0.25. A learner that does not learn fails: the warm start and the policies frozen at onset keep their confident
+old-rule answers.
 
 Fix and non-fixes. Matched fix: `brier-reward`, the reward R - (c - R)^2 (RLCR) in place of R in the
-group-normalized advantages. Named non-fixes: `kl-anchor` (the pull to the confident warm start, stronger) and
-`entropy-bonus`.
+group-normalized advantages. Named non-fixes: `kl-anchor` (the pull to the confident warm start, stronger, which
+also slows the new rule) and `entropy-bonus`.
 
-Mechanism, as measured (seeds 0-9, tail = the last 25% of the run): the stated confidence never leaves the warm
-start's. The baseline's mean stated confidence is 0.81-0.89 in its injected runs and 0.81-0.91 in its controls,
-whose chances of being right are 0.18-0.23 and 0.88-0.92; its covariance with the reward across a batch's answers
-is 0.00 in every run (this tiny policy states one confidence per prompt, not per answer: in the prototype the
-confidence on valid and on invalid answers was 0.855 and 0.854). A binary reward gives the confidence token no
-expected gradient, and the KL term holds it at the warm start. Under the Brier reward it falls to 0.36-0.46
-against accuracy 0.16-0.22 (and rises to 0.99 in the fix's control, whose accuracy is 0.89). At beta 0 (no KL
-term; prototype, 5 seeds) the confidence drifts by sampling noise alone, in both branches, and the split is lost
-(baseline 3/5, control 1/5 fail): the clean failure needs the trainer's KL to hold it. The KL anchor (0.3 more)
-holds it harder and also slows the new rule, so even its control fails (Brier 0.28-0.32).
+The KL term matters: without it (beta 0) the confidence drifts by sampling noise alone, in both branches, and
+the split between them is lost; the clean failure needs the trainer's KL to hold the confidence. This tiny policy
+states one confidence per prompt, not per answer.
 
 Settings and where they were chosen (prototype, seeds 0-3, then 0-9): the confidence after the answer (RLCR's
 order; first, the exact evaluation costs 6 times more and the baseline's margin was thinner), every post-onset
 problem guessable (a share of hard prompts left the Brier control unable to tell them apart: it raised its
-confidence everywhere, to 0.97), the threshold 0.25 between the control's worst (0.16) and the baseline's best
-(0.41). Two designs that did not work: a confidence tied to the answer's validity in the warm start (the policy
-never learned to tell valid from invalid, 0.45 on both, even 2 layers wide 64 or 1500 steps), and the Brier
-reward as the control (it is the fix, bit for bit). Nothing was tuned on seeds 100-109 except the detector's
-threshold.
+confidence everywhere), the threshold 0.25 between the control's worst and the baseline's best. Two designs that
+did not work: a confidence tied to the answer's validity in the warm start (the policy never learned to tell
+valid from invalid, even 2 layers wide 64 or 1500 steps), and the Brier reward as the control (it is the fix,
+bit for bit). Nothing was tuned on seeds 100-109 except the detector's threshold.
 
-Numbers (quick tier: onset 3, 50 iterations; 10 seeds; normalized return with its 95% bootstrap interval;
-tail = heldout_brier over the last 25% of the run):
-  seeds 0-9                  failed  control failed  normalized return    tail Brier gap (per seed)
-    baseline                 10/10   0/10            0.39 [0.36, 0.42]    0.42-0.56 (control 0.11-0.16)
-    brier-reward (fix)        0/10   0/10            0.91 [0.88, 0.94]    0.10-0.14
-    entropy-bonus            10/10   0/10            0.46 [0.43, 0.49]    0.35-0.47
-    kl-anchor                10/10   10/10           0.16 [0.15, 0.17]    0.54-0.59
-    frozen-at-onset          10/10   10/10           0.00                 0.52-0.70
-    no-update                10/10   10/10           -0.01                0.64
-  seeds 100-109 (fresh)
-    baseline                 10/10   0/10            0.38 [0.33, 0.43]    0.36-0.50
-    brier-reward (fix)        0/10   0/10            0.89 [0.86, 0.92]    0.11-0.14
-    entropy-bonus, kl-anchor 10/10   0/10, 10/10     0.46, 0.16
-    references               10/10   10/10           at most -0.01
-A quick-tier trial (healthy phase and both branches) takes about 10 s (median) with two trials and another
-job sharing the 2 cores; one branch of 47 iterations takes 2.2 s alone.
 Detector: `confidence_gap_recent` (a batch's mean stated confidence less its mean reward, averaged over the last
-10 iterations) above 0.4, chosen on seeds 100-109: the baseline's controls stay at or below 0.32, its injected
-runs pass 0.4 2-6 iterations after onset. It reads the overconfidence as soon as the problems turn into guesses,
-so it also alarms on the fix's injected runs (their gap passes 0.6 before the Brier reward brings it to 0.2-0.4).
+10 iterations) above 0.4, chosen on seeds 100-109. It reads the overconfidence as soon as the problems turn into
+guesses, so it also alarms on the fix's injected runs before the Brier reward brings their gap down.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from stabench.baselines.grpo import GRPO
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS, confidence_gap
-from stabench.tasks.entropy_collapse import (
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import confidence_gap
+from stabench.tasks.worlds.digits import (
     ALL_ANSWERS,
+    BUDGETS,
     GRPO_CONFIG,
     HELDOUT_CORRECT,
     HELDOUT_OLD,
@@ -95,18 +71,23 @@ from stabench.tasks.entropy_collapse import (
     N_ACTIONS,
     PROMPT_LEN,
     TRAIN_PROMPTS,
-    EntropyCollapse,
     correct,
     correct_new,
+    fit_old_rule,
+    seeded,
 )
-from stabench.tasks.tokens import PromptedAnswerEnv, answer_logits, tiny_policy, warm_start
+from stabench.tasks.worlds.scaffold import GRPORun, Trailing
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn, WarmStart, answer_logits, tiny_policy
 from torch import nn
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 DIGITS = 3  # the answer's digits; the confidence digit follows them
 LENGTH = DIGITS + 1
 GUESSABLE = 5  # the hidden digit is drawn from 0 .. GUESSABLE - 1, less the prompt's digits
 WARM_CONFIDENCE = (0.02, 0.03, 0.05, 0.1, 0.3, 0.5)  # P(confidence digit d) in the warm-up data, d = 0..5
-WARMUP_SEED, WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 0, 150, 256, 1e-2
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 150, 256, 1e-2
 CONFIG = replace(GRPO_CONFIG, answer_len=LENGTH)
 BRIER_CEILING = 0.25  # ground truth: tail mean of heldout_brier above this fails
 RECENT = 10  # confidence_gap_recent: the mean gap over the last RECENT iterations
@@ -152,38 +133,23 @@ def acceptance(world: str) -> torch.Tensor:
 
 
 # --- The warm start (also the frozen reference). ----------------------------------------------------------
-_WARM_STATE: dict[str, torch.Tensor] = {}
+def _build() -> nn.Module:
+    return tiny_policy(N_ACTIONS, PROMPT_LEN + LENGTH, **MODEL)
 
 
-def warm_policy() -> nn.Module:
-    """The tiny transformer after a supervised warm-up on old-rule answers followed by a confidence digit."""
-    if not _WARM_STATE:
-        _WARM_STATE.update(warm_start("calibration-collapse", _warm_up, __file__))
-    with torch.random.fork_rng():
-        model = tiny_policy(N_ACTIONS, PROMPT_LEN + LENGTH, **MODEL)
-    model.load_state_dict(_WARM_STATE)
-    return model
+def _with_confidence(answers: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    """Old-rule answers followed by a confidence digit drawn from WARM_CONFIDENCE."""
+    weights = np.array(WARM_CONFIDENCE) / sum(WARM_CONFIDENCE)
+    confidence = torch.from_numpy(rng.choice(N_ACTIONS, size=len(answers), p=weights))
+    return torch.cat([answers, confidence[:, None]], 1)
 
 
 def _warm_up() -> nn.Module:
-    rng = np.random.default_rng(WARMUP_SEED)
-    with torch.random.fork_rng():
-        torch.manual_seed(WARMUP_SEED)
-        model = tiny_policy(N_ACTIONS, PROMPT_LEN + LENGTH, **MODEL)
-    good = [ALL_ANSWERS[correct(p[None].expand(len(ALL_ANSWERS), -1), ALL_ANSWERS).bool()] for p in TRAIN_PROMPTS]
-    weights = np.array(WARM_CONFIDENCE) / sum(WARM_CONFIDENCE)
-    optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
-    for _ in range(WARMUP_STEPS):
-        which = rng.integers(len(TRAIN_PROMPTS), size=WARMUP_BATCH)
-        answers = torch.stack([good[i][rng.integers(len(good[i]))] for i in which])
-        confidence = torch.from_numpy(rng.choice(N_ACTIONS, size=WARMUP_BATCH, p=weights))
-        sequences = torch.cat([answers, confidence[:, None]], 1)
-        logits = answer_logits(model, TRAIN_PROMPTS[which], sequences, N_ACTIONS)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, N_ACTIONS), sequences.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model
+    return fit_old_rule(seeded(_build), WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, extend=_with_confidence)
+
+
+# The tiny transformer after a supervised warm-up on old-rule answers followed by a confidence digit.
+warm_policy = WarmStart("calibration-collapse", _warm_up, _build)
 
 
 # --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------
@@ -240,26 +206,24 @@ class CalibrationCollapseEnv(PromptedAnswerEnv):
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class CalibrationCollapseRun:
-    """One seed: the GRPO trainer and the prompt and hidden-digit Generators live here, so `copy.deepcopy`
-    branches everything."""
+class CalibrationCollapseRun(GRPORun):
+    """One seed of GRPO on the digit world with a confidence digit; the hidden-digit Generator and the confidence
+    gaps live here too, so `copy.deepcopy` branches everything."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...]) -> None:
-        self.budget, self.diagnostics = budget, diagnostics
-        reference = warm_policy().eval().requires_grad_(False)
-        self.trainer = GRPO(warm_policy().train(), reference, correct, replace(CONFIG, seed=seed), stabilizer)
-        self.prompt_rng = np.random.default_rng([seed, 1])
+        super().__init__(budget, seed, stabilizer, diagnostics, warm=warm_policy, config=CONFIG,
+                         default_reward=correct, prompts=TRAIN_PROMPTS)  # fmt: skip
         self.hidden_rng = np.random.default_rng([seed, 2])
-        self.gaps: list[float] = []
+        self.gaps = Trailing(RECENT)
+        self.world = "old"
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def reward(self, injected: bool, after_onset: bool) -> RewardFn:
         cfg = self.trainer.config
-        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=cfg.n_groups)
         draws = self.hidden_rng.random(cfg.n_groups * cfg.group_size)
-        onset = self.trainer.iteration >= self.budget.onset
+        self.world = ("guess" if injected else "new") if after_onset else "old"
 
         def reward(prompts: torch.Tensor, answers: torch.Tensor) -> dict[str, torch.Tensor]:
-            if not onset:
+            if not after_onset:
                 paid = correct(prompts, answers[:, :DIGITS])
             elif injected:
                 paid = guess_reward(prompts, answers, draws)
@@ -267,11 +231,13 @@ class CalibrationCollapseRun:
                 paid = correct_new(prompts, answers[:, :DIGITS])
             return {"reward": paid, "confidence": stated_confidence(answers)}
 
-        state = self.trainer.iterate(reward, TRAIN_PROMPTS[which])
+        return reward
+
+    def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         gap = confidence_gap(state.batch["confidence"], state.batch["rewards"])
-        self.gaps.append(gap["confidence_gap"])
-        stats = calibration_stats(self.trainer.policy, ("guess" if injected else "new") if onset else "old")
-        row: dict[str, float] = {
+        self.gaps.push(gap["confidence_gap"])
+        stats = calibration_stats(self.trainer.policy, self.world)
+        return {
             "step": float(self.trainer.tokens),
             "return": 1.0 - stats["heldout_brier"],
             **stats,
@@ -279,11 +245,19 @@ class CalibrationCollapseRun:
             "reward": float(state.batch["rewards"].mean()),
             "full_vocab_kl": float(state.extras["full_vocab_kl"].mean()),  # per token, pi || warm start
             **gap,
-            "confidence_gap_recent": float(np.mean(self.gaps[-RECENT:])),
+            "confidence_gap_recent": self.gaps.mean(),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+
+
+# --- The figure. -------------------------------------------------------------------------------------------
+def draw_calibration(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Stated confidence beside the chance of being right: a binary reward leaves the confidence where it was."""
+    from stabench.suite import figures
+
+    panels = [("heldout_confidence", "mean stated confidence"),
+              ("heldout_accuracy", "chance of being right (accuracy)"),
+              ("heldout_brier", "Brier gap (ground truth)")]  # fmt: skip
+    return figures.fix_against_baseline(table, "calibration-collapse", panels, out, "18_calibration_collapse")
 
 
 class CalibrationCollapse(Task):
@@ -293,7 +267,7 @@ class CalibrationCollapse(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
-    budgets = EntropyCollapse.budgets  # the same world on the same schedule (quick: 50 iterations, onset 3)
+    budgets = BUDGETS  # the digit world's schedule (quick: 50 iterations, onset 3)
     ground_truth = GroundTruth(metric="heldout_brier", threshold=BRIER_CEILING, fails_when="above", reduce="tail_mean")
     matched_fix = "brier-reward"
     methods = ("baseline", "brier-reward", "kl-anchor", "entropy-bonus")
@@ -303,6 +277,22 @@ class CalibrationCollapse(Task):
     provides = frozenset({"confidence"})
     return_floor = 0.3595  # frozen-at-onset's post-onset return in the injected world, mean of seeds 0-9
     return_ceiling = 0.8088  # the control's post-onset return, mean of seeds 0-9
+    environments = {"stabench/CalibrationCollapse-v0": "CalibrationCollapseEnv"}
+    figures = (
+        Figure(
+            "18_calibration_collapse",
+            "stated confidence against accuracy",
+            "calibration-collapse: the mean stated confidence, the chance of being right and the Brier gap between "
+            "them (the ground truth), baseline and Brier reward, injected and control.",
+            draw_calibration,
+        ),
+    )
+    paper = """On calibration-collapse the policy states a confidence after each answer, and from onset its problems
+can only be guessed (1 in 3 or 4). Under the binary reward the stated confidence stays at the warm start's
+(0.81-0.89) while the chance of being right falls to 0.18-0.23: the confidence token gets no expected gradient
+from a reward that does not read it, and the KL term holds it where it was. A Brier term in the reward (RLCR)
+brings it down to 0.36-0.46 and fails no seed; the KL anchor holds it harder and fails every seed, its control
+included."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> CalibrationCollapseRun:
         return CalibrationCollapseRun(self.budget(tier), seed, stabilizer, self.diagnostics)

@@ -1,92 +1,72 @@
 """degenerate-comparisons: after onset 7 of GRPO's 8 groups are solved or unsolvable problems (all correct or
-all wrong: zero reward variance) while a new rule must be learned from the one group that compares (seed
-002). Measured: the silent groups add nothing to the policy term but keep their share of the KL term, so the
-pull back to the warm start outweighs the live group's signal and the rule is learned only in part.
+all wrong: zero reward variance) while a new rule must be learned from the one group that compares (seed 002).
+The silent groups add nothing to the policy term but keep their share of the KL term, so the pull back to the
+warm start outweighs the live group's signal and the rule is learned only in part.
 
-The world is entropy-collapse's (`tasks.entropy_collapse`): a prompt is two digits (a, b) from 0-5, an answer
-3 digits (216 answers, all enumerable), the policy the same tiny GPT-2 warm start and the same GRPO (k3 KL to
-the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam 2e-3, 2 epochs per batch, token-mean
-aggregation). Before onset a correct answer avoids a and b; from onset it must also avoid 5 (`correct_new`),
-which the warm start writes often (held-out accuracy about 0.33): both branches must learn it.
+The world, the warm start (also the frozen reference), the trainer and the schedule are the digit world's
+(`tasks.worlds.digits`): GRPO with k3 KL to the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam
+2e-3, 2 epochs per batch, token-mean aggregation. Before onset a correct answer avoids a and b; from onset it must
+also avoid 5 (`correct_new`), which the warm start writes often: both branches must learn it.
 
 The injection. From onset the injected branch's batches hold `N_LIVE` = 1 group graded by the new rule and 7
-degenerate groups: 4 of problems the policy always solves and 3 it never solves. Their grade does not depend
-on the answer (modelled as a constant 1 or 0 per group: a solved or an unsolvable problem), so their reward
-variance is 0 and so is every advantage in them. The control's 8 groups are all graded by the new rule.
+degenerate groups: 4 of problems the policy always solves and 3 it never solves. Their grade does not depend on
+the answer (modelled as a constant 1 or 0 per group: a solved or an unsolvable problem), so their reward variance
+is 0 and so is every advantage in them. The control's 8 groups are all graded by the new rule.
 
 Return (the true one): the learner's exact expected reward on the 8 held-out prompts under the new rule,
-sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`).
-- `return_floor`: the policy frozen at onset (`frozen-at-onset`), its post-onset return, mean of seeds 0-9.
-- `return_ceiling`: the control's (baseline method, control branch) post-onset return, mean of seeds 0-9.
-Ground truth: `heldout_accuracy`, its mean over the last 25% of the run below 0.7 (the frozen policies hold
-0.28-0.35; the control ends at 0.77-0.92 on seeds 0-9).
+sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`). Ground truth: `heldout_accuracy`, its mean over
+the last 25% of the run below 0.7.
 
 Fix and non-fixes. Matched fix: `variance-filter` (DAPO's dynamic-sampling filter without the resampling):
-zero-variance groups leave every term of the loss, the others keep the trainer's total weight. Named
-non-fixes: an entropy bonus (`entropy-bonus`), clip-higher. Not run: "a larger batch at the same compute"
-(a batch size is the task's trainer setting, not a stabilizer hook).
+zero-variance groups leave every term of the loss, the others keep the trainer's total weight. Named non-fixes:
+an entropy bonus (`entropy-bonus`, a third undiluted term), clip-higher. Not run: "a larger batch at the same
+compute" (a batch size is the task's trainer setting, not a stabilizer hook).
 
-Mechanism, as measured: not a lack of gradient but a regularizer that outweighs it. A degenerate group adds
-nothing to the policy term but its tokens still carry the KL term, on prompts like the live ones; with 7 of
-8 groups silent, the token-mean policy term is 1/8 of the control's while the KL term is whole, so the pull
-back to the warm start wins (as if beta were 8 times larger) and the policy learns a fraction of the rule.
-At beta 0 the same injection barely hurts (prototype, seeds 0-3: tail accuracy 0.74-0.92 against the
-control's 0.87-0.97): Adam rescales a policy term that is only smaller. Removing the degenerate groups from
-every term restores the control's ratio, and one live group per batch then suffices to learn the rule.
+Mechanism: not a lack of gradient but a regularizer that outweighs it. A degenerate group adds nothing to the
+policy term but its tokens still carry the KL term, on prompts like the live ones; with 7 of 8 groups silent, the
+token-mean policy term is 1/8 of the control's while the KL term is whole, so the pull back to the warm start wins
+(as if beta were 8 times larger) and the policy learns a fraction of the rule, staying near the warm start. At
+beta 0 the same injection barely hurts (prototype, seeds 0-3): Adam rescales a policy term that is only smaller.
+Removing the degenerate groups from every term restores the control's ratio, and one live group per batch then
+suffices to learn the rule. For the same reason a weaker anchor helps and a stronger one (`kl-anchor`) hurts.
 
-Settings and where they were chosen (prototype on seeds 0-3, then seeds 0-9): 1 live group of 8 (2 live
-groups left the baseline at 0.67-0.70, too near the fix's 0.79-0.89), beta 0.1 (entropy-collapse's; 0.2 slowed
-the control to 0.80-0.86 and the fix to 0.61-0.77), the threshold 0.7 between the baseline's 0.51-0.57 and the
-fix's 0.76-0.92 (seeds 0-9). Nothing was tuned on seeds 100-109.
+Settings and where they were chosen (prototype on seeds 0-3, then seeds 0-9): 1 live group of 8 (2 live groups
+left the baseline too near the fix), beta 0.1 (the digit world's; 0.2 slowed the control and the fix), the
+threshold 0.7 between the baseline's and the fix's tails on seeds 0-9. Nothing was tuned on seeds 100-109 except
+the detector's threshold.
 
-Numbers (quick tier: onset 3, 50 iterations; 10 seeds; normalized return with its 95% bootstrap interval;
-tail = the held-out accuracy over the last 25% of the run):
-  seeds 0-9                  failed  control failed  normalized return    tail accuracy (per seed)
-    baseline                 10/10   0/10            0.39 [0.35, 0.44]    0.50-0.57 (control 0.78-0.92)
-    variance-filter (fix)     0/10   0/10            0.75 [0.66, 0.83]    0.75-0.91
-    clip-higher              10/10   0/10            0.39 [0.35, 0.44]    as the baseline's
-    entropy-bonus            10/10   0/10            0.30 [0.26, 0.34]    0.42-0.55 (a third undiluted term)
-    frozen-at-onset          10/10   10/10           0.00                 0.20-0.39
-    no-update                10/10   10/10           0.02                 0.33
-  seeds 100-109 (fresh)
-    baseline                 10/10   0/10            0.44 [0.39, 0.49]    0.44-0.67
-    variance-filter (fix)     1/10   0/10            0.81 [0.76, 0.86]    0.69-0.88
-    references               10/10   10/10           at most 0.03
-In the method matrix (`results/matrix`, seeds 0-9) one other method lifts it: `kl-k2-anchor`, which replaces the
-trainer's k3 term at beta 0.1 by k2 at 0.05, fails 3/10 (0.62): a weaker anchor is part of the same cure.
-`kl-anchor`, which adds 0.3 k3 to it, does worst (0.17), as the mechanism says it should.
-In the tail the baseline's policy stays near the warm start (per-token KL to it 0.09 against the control's
-0.41, entropy 1.42 against 0.99) while 90% of its groups are silent. A quick-tier trial (healthy phase and
-both branches) takes 2.3 s on one shared core (median).
-Detector: `zero_variance_recent` (the zero-variance share averaged over the last 10 iterations) above 0.85,
-chosen on seeds 100-109: it fires on every injected run 9 iterations after onset (median) and on no
-baseline control (their highest 0.76; one of the variance filter's controls late, at iteration 41). It reads
-the injection itself (7 of 8 groups silent from onset), so it also alarms on the fix's injected runs, which
-stay healthy; one iteration's share is too noisy to use (a learning control has batches where every group is
-solved: it exceeds 0.85 in every control run of seeds 100-109).
+Detector: `zero_variance_recent` (the zero-variance share averaged over the last `RECENT` = 10 iterations) above
+0.85, chosen on seeds 100-109. It reads the injection itself (7 of 8 groups silent from onset), so it also alarms
+on the fix's injected runs, which stay healthy; one iteration's share is too noisy to use (a learning control has
+batches where every group is solved).
+
+The measured numbers (failure rates, normalized returns, tails, the method matrix) are in `results/calibration.md`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
-from stabench.baselines.grpo import GRPO
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS, group_signal
-from stabench.tasks.entropy_collapse import (
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import group_signal
+from stabench.suite.figures import fix_against_baseline
+from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
+    BUDGETS,
     GRPO_CONFIG,
     N_ACTIONS,
     TRAIN_PROMPTS,
-    EntropyCollapse,
     correct,
     correct_new,
     heldout_accuracy,
     warm_policy,
 )
-from stabench.tasks.tokens import PromptedAnswerEnv
+from stabench.tasks.worlds.scaffold import GRPORun, Trailing
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn
 
 N_LIVE = 1  # groups per injected batch graded by the new rule; the rest are degenerate
 ACCURACY_FLOOR = 0.7  # ground truth: tail mean of the held-out expected accuracy
@@ -101,7 +81,7 @@ def degenerate_grades(n_groups: int, n_live: int = N_LIVE) -> list[str]:
     return ["live"] * n_live + ["solved"] * ((rest + 1) // 2) + ["unsolvable"] * (rest // 2)
 
 
-def graded_reward(grades: list[str], group_size: int):
+def graded_reward(grades: list[str], group_size: int) -> RewardFn:
     """A reward function paying `correct_new` on live groups, 1 on solved and 0 on unsolvable ones (group
     members adjacent, in the order of `grades`)."""
 
@@ -145,28 +125,26 @@ class Knobs:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class DegenerateComparisonsRun:
-    """One seed: the GRPO trainer and the prompt Generator live here, so `copy.deepcopy` branches everything."""
+class DegenerateComparisonsRun(GRPORun):
+    """One seed of the digit world's GRPO run; the zero-variance history lives here too, so `copy.deepcopy`
+    branches it with the trainer."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
                  n_live: int) -> None:  # fmt: skip
-        self.budget, self.diagnostics = budget, diagnostics
-        reference = warm_policy().eval().requires_grad_(False)
-        self.trainer = GRPO(warm_policy().train(), reference, correct, replace(GRPO_CONFIG, seed=seed), stabilizer)
-        self.prompt_rng = np.random.default_rng([seed, 1])
+        super().__init__(budget, seed, stabilizer, diagnostics, warm=warm_policy, config=GRPO_CONFIG,
+                         default_reward=correct, prompts=TRAIN_PROMPTS)  # fmt: skip
         cfg = self.trainer.config
         self.injected_reward = graded_reward(degenerate_grades(cfg.n_groups, n_live), cfg.group_size)
-        self.silent: list[float] = []  # zero_variance_share per iteration
+        self.silent = Trailing(RECENT)  # zero_variance_share per iteration
 
-    def step(self, injected: bool) -> dict[str, float]:
-        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=self.trainer.config.n_groups)
-        onset = self.trainer.iteration >= self.budget.onset
-        reward = (self.injected_reward if injected else correct_new) if onset else correct
-        state = self.trainer.iterate(reward, TRAIN_PROMPTS[which])
+    def reward(self, injected: bool, after_onset: bool) -> RewardFn:
+        return (self.injected_reward if injected else correct_new) if after_onset else correct
+
+    def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         signal = group_signal(state.batch["rewards"], state.batch["group"])
-        self.silent.append(signal["zero_variance_share"])
+        self.silent.push(signal["zero_variance_share"])
         accuracy = heldout_accuracy(self.trainer.policy)
-        row: dict[str, float] = {
+        return {
             "step": float(self.trainer.tokens),
             "return": accuracy,
             "heldout_accuracy": accuracy,
@@ -174,11 +152,16 @@ class DegenerateComparisonsRun:
             "reward": float(state.batch["rewards"].mean()),
             "full_vocab_kl": float(state.extras["full_vocab_kl"].mean()),  # per token, pi || warm start
             **signal,
-            "zero_variance_recent": float(np.mean(self.silent[-RECENT:])),
+            "zero_variance_recent": self.silent.mean(),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+
+
+# --- The figure and the task. ------------------------------------------------------------------------------
+def draw_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside the policy's KL to the warm start: the silent groups leave the KL in charge."""
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("full_vocab_kl", "per-token KL(pi || warm start)")]  # fmt: skip
+    return fix_against_baseline(table, "degenerate-comparisons", panels, out, "14_degenerate_comparisons")
 
 
 class DegenerateComparisons(Task):
@@ -188,7 +171,7 @@ class DegenerateComparisons(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
-    budgets = EntropyCollapse.budgets  # the same world on the same schedule (quick: 50 iterations, onset 3)
+    budgets = BUDGETS
     ground_truth = GroundTruth(
         metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
     )
@@ -202,6 +185,21 @@ class DegenerateComparisons(Task):
     return_floor = 0.3145  # frozen-at-onset's post-onset return, mean of seeds 0-9 (exact per seed)
     return_ceiling = 0.7972  # the control's post-onset return, mean of seeds 0-9
     knobs_type = Knobs
+    environments = {"stabench/DegenerateComparisons-v0": "DegenerateComparisonsEnv"}
+    figures = (
+        Figure(
+            "14_degenerate_comparisons", "silent groups and the KL pull",
+            "degenerate-comparisons: exact held-out accuracy (left) and the policy's KL to the warm start (right), "
+            "baseline and variance filter, injected and control.",
+            draw_degenerate,
+        ),
+    )  # fmt: skip
+    paper = """On degenerate-comparisons seven of the eight groups of each injected batch are problems the policy
+always solves or never solves, so their rewards do not vary, while a new rule must be learned from the one group
+that compares. The silent groups starve nothing by themselves (with no KL term the same injection barely hurts);
+they keep their share of the KL term while adding nothing to the policy term, so the pull back to the warm start
+wins, and dropping them from every term (the variance filter) restores learning from the one group that
+compares."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> DegenerateComparisonsRun:
         return DegenerateComparisonsRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs.n_live)

@@ -1,31 +1,28 @@
 """hard-sample-shortcuts: after onset 6 of GRPO's 8 groups are nearly impossible problems whose rare successes
 are lucky shortcut answers (an answer that copies a digit of the question), while a new rule must be learned
-from the other 2 (seed 002). Measured: the lucky successes teach the shortcut, which breaks the rule on every
-problem, and the silent impossible groups also dilute the rule's signal; dropping the groups whose success rate
-is near zero removes both.
+from the other 2 (seed 002). The lucky successes teach the shortcut, which breaks the rule on every problem, and
+the silent impossible groups also dilute the rule's signal; dropping the groups whose success rate is near zero
+removes both.
 
-The world is entropy-collapse's (`tasks.entropy_collapse`): a prompt is two digits (a, b) from 0-5, an answer
-3 digits (216 answers, all enumerable), the policy the same tiny GPT-2 warm start and the same GRPO (k3 KL to
-the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam 2e-3, 2 epochs per batch, token-mean
-aggregation). Before onset a correct answer avoids a and b (the old rule, which the warm start follows but not
-always: on the held-out prompts 26% of its answers copy a prompt digit); from onset it must also avoid 5
-(`correct_new`), which the warm start writes often (held-out accuracy about 0.33): both branches must learn it.
+The world, the warm start (also the frozen reference), the trainer and the schedule are the digit world's
+(`tasks.worlds.digits`): GRPO with k3 KL to the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam
+2e-3, 2 epochs per batch, token-mean aggregation. Before onset a correct answer avoids a and b (the old rule,
+which the warm start follows but not always: some of its answers copy a prompt digit); from onset it must also
+avoid 5 (`correct_new`), which the warm start writes often: both branches must learn it.
 
 The injection. From onset the injected branch's batches hold `N_LIVE` = 2 groups graded by the new rule and 6
 groups of nearly impossible problems (`hard_reward`): no answer solves them by the rule, but an answer that
 copies a prompt digit (the shortcut, `copies_prompt`: wrong under both rules) is accepted with probability
-`LUCK` = 0.2, as a guess taken from the question sometimes is. At onset about 15% of the sampled answers copy
-a prompt digit, so those groups succeed on about 3% of their answers. The control's 8 groups are all graded by
-the new rule: the same number of problems, none of them impossible.
+`LUCK` = 0.2, as a guess taken from the question sometimes is, so those groups succeed on a few percent of their
+answers. The luck draws come from a Generator of their own, drawn every iteration. The control's 8 groups are
+all graded by the new rule: the same number of problems, none of them impossible; it is, draw for draw,
+degenerate-comparisons' control.
 
 Return (the true one): the learner's exact expected reward on the 8 held-out prompts under the new rule,
 sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`). The shortcut's own rate on those prompts is
-`shortcut_rate` = 1 - `old_rule_accuracy` (the accuracy on the pre-onset problems).
-- `return_floor`: the policy frozen at onset (`frozen-at-onset`), its post-onset return, mean of seeds 0-9.
-- `return_ceiling`: the control's (baseline method, control branch) post-onset return, mean of seeds 0-9.
-The control branch is, draw for draw, degenerate-comparisons' control, so both numbers are that task's.
-Ground truth: `heldout_accuracy`, its mean over the last 25% of the run below 0.7 (the frozen policies hold
-0.20-0.39; the control ends at 0.78-0.92 on seeds 0-9).
+`shortcut_rate` = 1 - `old_rule_accuracy` (the accuracy on the pre-onset problems). Floor and ceiling are
+degenerate-comparisons' (the same frozen policies, the same control branch). Ground truth: `heldout_accuracy`,
+its mean over the last 25% of the run below 0.7.
 
 Fix and non-fixes. Matched fix: `difficulty-filter`, which drops every group whose success rate is at most 1/8
 (and, as the variance filter, every group whose rewards are all equal) from every term of the loss. Named
@@ -33,69 +30,54 @@ non-fixes: `advantage-clip` (every advantage clipped to [-1, 1]: a lucky success
 2.47), `variance-filter` (drops the all-wrong groups, keeps those with one lucky success), `dr-grpo` (no std
 division: the same push, unscaled).
 
-Mechanism, as measured: two parts, told apart by the variance filter.
-- The lucky successes teach the shortcut. In the tail the baseline copies a prompt digit in 30% of its held-out
-  answers (the control 10%, the warm start 26%: the control unlearns the habit, the baseline relearns it), and
-  the lucky groups carry 31% of the batch's positive advantage (`rare_push_share`).
+Mechanism: two parts, told apart by the variance filter.
+- The lucky successes teach the shortcut: the baseline relearns the habit of copying a prompt digit that the
+  control unlearns, and the lucky groups carry a large share of the batch's positive advantage
+  (`rare_push_share`).
 - The silent impossible groups dilute the policy term against the KL term (degenerate-comparisons' mechanism):
-  the baseline's per-token KL to the warm start is 0.20 against the control's 0.41.
-The variance filter removes the second part only: it restores the KL (0.29-0.71) and fails 4/10, with the
-shortcut still at 0.18-0.36. The difficulty filter removes both (shortcut 0.06-0.28). Group normalization is
-not what drives it: without the std division (`dr-grpo`) the baseline fails as much (10/10, 0.37); nor is the
-size of the lucky advantage: clipped to 1 (`advantage-clip`) it fails 10/10 (0.50).
+  the baseline stays nearer the warm start than the control.
+The variance filter removes the second part only; the difficulty filter removes both. Neither group
+normalization (`dr-grpo`) nor the size of the lucky advantage (`advantage-clip`) is what drives it.
 
-Settings and where they were chosen (prototype on seeds 0-3, then the task on seeds 0-9): 2 live groups of 8
-(3 left the baseline at 0.56-0.67, near the control), the shortcut "copies a prompt digit" (copying the whole
-question, aaa or an answer of a and b only, has a warm-start rate of 0.04% and 0.2%: too rare to be found in
-50 iterations), luck 0.2 (at 0.3 the difficulty filter failed 3/10, its kept groups of 2 lucky successes still
-teaching the shortcut; at 0.5 and 1.0 the impossible groups were no longer near zero and the filter kept
-them), beta 0.1 (the world's; at beta 0 the 1-live-group variant was too noisy: control 0.61-0.92, baseline
-0.37-0.77). Nothing was tuned on seeds 100-109 except the detector's threshold.
+Settings and where they were chosen (prototype on seeds 0-3, then the task on seeds 0-9): 2 live groups of 8 (3
+left the baseline near the control), the shortcut "copies a prompt digit" (copying the whole question, aaa or an
+answer of a and b only, is too rare under the warm start to be found in 50 iterations), luck 0.2 (at 0.3 the
+difficulty filter's kept groups of 2 lucky successes still taught the shortcut; at 0.5 and 1.0 the impossible
+groups were no longer near zero and the filter kept them), beta 0.1 (the world's; at beta 0 the 1-live-group
+variant was too noisy). Nothing was tuned on seeds 100-109 except the detector's threshold.
 
-Numbers (quick tier: onset 3, 50 iterations; 10 seeds; normalized return with its 95% bootstrap interval;
-tail = the held-out accuracy over the last 25% of the run):
-  seeds 0-9                  failed  control failed  normalized return    tail accuracy (per seed)
-    baseline                 10/10   0/10            0.49 [0.42, 0.55]    0.48-0.66 (control 0.78-0.92)
-    difficulty-filter (fix)   1/10   0/10            0.83 [0.75, 0.91]    0.69-0.91
-    variance-filter           4/10   0/10            0.67 [0.60, 0.75]    0.58-0.79
-    advantage-clip           10/10   0/10            0.50 [0.44, 0.55]    0.51-0.69
-    dr-grpo                  10/10   0/10            0.37 [0.33, 0.40]    0.43-0.56
-    frozen-at-onset          10/10   10/10           0.00                 0.20-0.39
-    no-update                10/10   10/10           0.02                 0.33
-  seeds 100-109 (fresh)
-    baseline                 10/10   0/10            0.45 [0.38, 0.52]    0.45-0.64
-    difficulty-filter (fix)   1/10   0/10            0.82 [0.74, 0.90]    0.67-0.86
-    variance-filter           6/10   0/10            0.66                 0.55-0.82
-    advantage-clip, dr-grpo  10/10   0/10            0.50, 0.39
-    references               10/10   10/10           at most 0.03
-A quick-tier trial (healthy phase and both branches) takes 4.3 s (median) on a core shared with another job.
-Detector: `rare_push_recent` (the lucky groups' share of the positive advantage, averaged over the last 10
-iterations) above 0.2, chosen on seeds 100-109: the baseline's controls stay at or below 0.14, its injected runs
-pass 0.2 about 6 iterations after onset. It reads the lucky groups, which the injection brings from onset, so it
-also alarms on the fix's injected runs (the filter drops those groups from the loss, not from the diagnostic).
+Detector: `rare_push_recent` (the lucky groups' share of the positive advantage, averaged over the last
+`RECENT` = 10 iterations) above 0.2, chosen on seeds 100-109. It reads the lucky groups, which the injection
+brings from onset, so it also alarms on the fix's injected runs (the filter drops those groups from the loss, not
+from the diagnostic).
+
+The measured numbers (failure rates, normalized returns, tails, the method matrix) are in `results/calibration.md`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
-from stabench.baselines.grpo import GRPO
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS, group_signal, rare_successes
-from stabench.tasks.entropy_collapse import (
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import group_signal, rare_successes
+from stabench.suite.figures import need, side_by_side
+from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
+    BUDGETS,
     GRPO_CONFIG,
     N_ACTIONS,
     TRAIN_PROMPTS,
-    EntropyCollapse,
     correct,
     correct_new,
     heldout_stats,
     warm_policy,
 )
-from stabench.tasks.tokens import PromptedAnswerEnv
+from stabench.tasks.worlds.scaffold import GRPORun, Trailing
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn
 
 N_LIVE = 2  # groups per injected batch graded by the new rule; the rest are nearly impossible
 LUCK = 0.2  # the chance that an impossible problem accepts a shortcut answer
@@ -115,7 +97,7 @@ def hard_reward(prompts: torch.Tensor, answers: torch.Tensor, draws: np.ndarray,
     return copies_prompt(prompts, answers) * torch.as_tensor(draws < luck, dtype=torch.float32)
 
 
-def graded_reward(n_live: int, group_size: int, draws: np.ndarray, luck: float = LUCK):
+def graded_reward(n_live: int, group_size: int, draws: np.ndarray, luck: float = LUCK) -> RewardFn:
     """The injected reward: `correct_new` on the first `n_live` groups (members adjacent), `hard_reward` on the
     rest, with the batch's uniform draws `draws` [B]."""
 
@@ -171,35 +153,31 @@ class Knobs:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class HardSampleShortcutsRun:
-    """One seed: the GRPO trainer and the prompt and luck Generators live here, so `copy.deepcopy` branches
-    everything."""
+class HardSampleShortcutsRun(GRPORun):
+    """One seed of the digit world's GRPO run (degenerate-comparisons' prompt stream); the luck Generator and the
+    push history live here too, so `copy.deepcopy` branches them with the trainer."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
                  knobs: Knobs) -> None:  # fmt: skip
-        self.budget, self.diagnostics, self.knobs = budget, diagnostics, knobs
-        reference = warm_policy().eval().requires_grad_(False)
-        self.trainer = GRPO(warm_policy().train(), reference, correct, replace(GRPO_CONFIG, seed=seed), stabilizer)
-        self.prompt_rng = np.random.default_rng([seed, 1])  # degenerate-comparisons' prompt stream
+        super().__init__(budget, seed, stabilizer, diagnostics, warm=warm_policy, config=GRPO_CONFIG,
+                         default_reward=correct, prompts=TRAIN_PROMPTS)  # fmt: skip
+        self.knobs = knobs
         self.luck_rng = np.random.default_rng([seed, 2])
-        self.pushes: list[float] = []  # rare_push_share per iteration
+        self.pushes = Trailing(RECENT)  # rare_push_share per iteration
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def reward(self, injected: bool, after_onset: bool) -> RewardFn:
         cfg = self.trainer.config
-        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=cfg.n_groups)
-        draws = self.luck_rng.random(cfg.n_groups * cfg.group_size)
-        onset = self.trainer.iteration >= self.budget.onset
-        if not onset:
-            reward = correct
-        else:
-            injected_reward = graded_reward(self.knobs.n_live, cfg.group_size, draws, self.knobs.luck)
-            reward = injected_reward if injected else correct_new
-        state = self.trainer.iterate(reward, TRAIN_PROMPTS[which])
+        draws = self.luck_rng.random(cfg.n_groups * cfg.group_size)  # every iteration, so the stream never shifts
+        if not after_onset:
+            return correct
+        return graded_reward(self.knobs.n_live, cfg.group_size, draws, self.knobs.luck) if injected else correct_new
+
+    def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         rewards, group = state.batch["rewards"], state.batch["group"]
         rare = rare_successes(rewards, group, state.extras["advantages"][:, 0])
-        self.pushes.append(rare["rare_push_share"])
+        self.pushes.push(rare["rare_push_share"])
         stats = shortcut_stats(self.trainer.policy)
-        row: dict[str, float] = {
+        return {
             "step": float(self.trainer.tokens),
             "return": stats["heldout_accuracy"],
             **stats,
@@ -209,11 +187,20 @@ class HardSampleShortcutsRun:
             "full_vocab_kl": float(state.extras["full_vocab_kl"].mean()),  # per token, pi || warm start
             **group_signal(rewards, group),
             **rare,
-            "rare_push_recent": float(np.mean(self.pushes[-RECENT:])),
+            "rare_push_recent": self.pushes.mean(),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+
+
+# --- The figure and the task. ------------------------------------------------------------------------------
+def draw_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside the shortcut's rate: lucky successes on impossible problems teach the shortcut."""
+    rows = need(table, "hard-sample-shortcuts", "heldout_accuracy", "shortcut_rate")
+    rows = rows[(rows["role"].isin(["baseline", "matched-fix"]) | (rows["method"] == "variance-filter"))]
+    rows = rows[(rows["variant"] == "injected") | (rows["method"] == "baseline")]
+    rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("shortcut_rate", "share of answers copying a prompt digit")]  # fmt: skip
+    return side_by_side(rows, panels, "run", "hard-sample-shortcuts", out, "17_hard_sample_shortcuts")
 
 
 class HardSampleShortcuts(Task):
@@ -223,7 +210,7 @@ class HardSampleShortcuts(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
-    budgets = EntropyCollapse.budgets  # the same world on the same schedule (quick: 50 iterations, onset 3)
+    budgets = BUDGETS
     ground_truth = GroundTruth(
         metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
     )
@@ -236,6 +223,23 @@ class HardSampleShortcuts(Task):
     return_floor = 0.3145  # degenerate-comparisons' (the same frozen policies): mean of seeds 0-9
     return_ceiling = 0.7972  # degenerate-comparisons' (the same control branch): mean of seeds 0-9
     knobs_type = Knobs
+    environments = {"stabench/HardSampleShortcuts-v0": "HardSampleShortcutsEnv"}
+    figures = (
+        Figure(
+            "17_hard_sample_shortcuts", "lucky shortcuts on impossible problems",
+            "hard-sample-shortcuts: exact held-out accuracy (left) and the share of answers copying a prompt digit "
+            "(right), baseline (injected and control), variance filter and difficulty filter (injected).",
+            draw_shortcuts,
+        ),
+    )  # fmt: skip
+    paper = """On hard-sample-shortcuts six of the eight groups of each injected batch are nearly impossible
+problems whose only successes are lucky answers that copy a digit of the question, while a new rule must be
+learned from the other two; the baseline relearns that habit (30% of its held-out answers copy a prompt digit in
+the tail, the control's 10%) and fails every seed. The variance filter, which drops the all-wrong groups but keeps
+those with one lucky success, fixes only the dilution part and fails 4 of 10 seeds; dropping every group whose
+success rate is at most 1/8 (the difficulty filter) removes the lucky push and fails 1 of 10. Neither the std
+division nor the size of the lucky advantage drives it: without the division (Dr. GRPO) and with advantages
+clipped to 1 the baseline fails every seed."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> HardSampleShortcutsRun:
         return HardSampleShortcutsRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)

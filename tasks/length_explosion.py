@@ -1,7 +1,7 @@
 """length-explosion: per-sequence loss normalization pays for longer reasoning (Dr. GRPO, Liu et al. 2025).
 
-EXPERIMENTAL (version 2): the post-onset phase now demands learning (issue 12), but the bar is not met; the
-numbers and what was tried are below.
+EXPERIMENTAL (version 2): the post-onset phase demands learning, but the bar is not met (why below; the measured
+numbers are in results/calibration.md).
 
 The world. A prompt is two digits a, b in 0..4 and a mode: 25 old problems (mode 0, answer (a + b) mod 5) and 25
 new problems (mode 1, answer (a + b + 1) mod 5: a new rule). The policy writes THINK tokens (no content), then one
@@ -11,10 +11,9 @@ EOS after the digit. (prompt, THINK count) is the whole reasoning state, so the 
 one-hot b, one-hot mode, one-hot THINK count) behind a causal-LM interface (`ThinkerPolicy` says why not GPT-2:
 cost). Warm start: 200 full-batch Adam steps on the exact distribution of demonstrations that think 2-4 tokens and
 then answer the old problems right and the new ones with a uniformly random digit (they know the new problems'
-format, not their rule): exact accuracy 0.98-0.99 on the old problems, 0.20 on the new. GRPO: 12 prompts x 8
-answers, Adam lr 1e-2, one on-policy update, no KL (beta 0), and the length-biased recipe of the prototypes: a
-BATCH-mean baseline A_i = R_i - mean_batch R, no std division, per-sequence aggregation sum_t (.) / |o_i|
-(`"seq-mean"`).
+format, not their rule). GRPO: 12 prompts x 8 answers, Adam lr 1e-2, one on-policy update, no KL (beta 0), and the
+length-biased recipe of the prototypes: a BATCH-mean baseline A_i = R_i - mean_batch R, no std division,
+per-sequence aggregation sum_t (.) / |o_i| (`"seq-mean"`).
 
 Phases. Before onset the prompts are the old problems only. From onset, in BOTH branches, prompts are drawn from
 all 50 and the new problems pay for the new rule: that is what the learner must learn. The injection (injected
@@ -23,80 +22,59 @@ whatever the answer. Nothing in the reward depends on length. The return is the 
 gives every prompt's stop distribution) over the phase's problems: the old ones before onset, all 50 from onset
 (the corrupted prompts are graded by their true rule).
 
-Mechanism, as measured (quick tier: 150 iterations, onset 30, seeds 0-9; ranges are per-seed means over the last
-quarter). Baseline: on a corrupted prompt every answer gets A = -b < 0 (b = mean_batch R) and its tokens the
-weight 1 / |o_i|, so stopping later is pushed down less: the old problems' chains go to 6.3-9.8 THINK tokens on
-average (tail quarter, seed range), truncated unanswered with probability 0.10-0.36 over all prompts, and the old
-problems' accuracy falls to 0.23-0.53 (from 0.96-0.99), while the new problems are learned (0.60-0.87). Its
-controls: old chains 2.0-3.1, accuracy 0.85-0.96 overall (0.72-0.93 on the new problems). Constant normalization
-of the policy term (`constant-norm`) holds the old chains at 2.0-4.7 and truncation at 0.00-0.02, and learns the
-new problems (0.47-0.91), but the old problems' accuracy still falls to 0.45-0.75: the corrupted prompts pay
-nothing, so nothing holds their answers while the shared a, b features move to the new rule (and the batch
-baseline pushes down whatever is sampled on them). Dr. GRPO (`dr-grpo`: group-mean baseline, so corrupted groups
-get A = 0) holds 2.0-4.0 and the old problems at 0.58-0.73, with the new problems at 0.55-0.85. Markovian chunking
-(`markovian-chunks`) and the plain entropy guard (`token-entropy-bonus`) stay named non-fixes: old chains 7.0-10.4
-(truncation 0.20-0.41) and 2.4-9.1.
+Mechanism. Baseline: on a corrupted prompt every answer gets A = -b < 0 (b = mean_batch R) and its tokens the
+weight 1 / |o_i|, so stopping later is pushed down less: the old problems' chains grow toward the cap, some are
+truncated unanswered, and the old problems' accuracy falls while the new problems are learned. Constant
+normalization of the policy term (`constant-norm`) holds the chains and learns the new problems, but the old
+problems' accuracy still falls: the corrupted prompts pay nothing, so nothing holds their answers while the shared
+a, b features move to the new rule (and the batch baseline pushes down whatever is sampled on them). Dr. GRPO
+(`dr-grpo`: group-mean baseline, so corrupted groups get A = 0) holds the chains too. Markovian chunking
+(`markovian-chunks`) does not hold them; the entropy bonus (`entropy-bonus`) is the plain guard.
 
 Why the bar is not met. The length bias of a batch-mean baseline lands on the prompts whose reward is below the
 batch mean (Sum_i A_i = 0: with all prompts alike it cancels), i.e. on the prompts that pay nothing; what they
 lose (their old answers, truncated) no learner can relearn there, and a policy frozen at onset keeps it. So the
 learning the task asks for (the new problems) is done by the baseline too, and the gap between the baseline and
 the fixes is the old problems' accuracy, which the fixes also lose in part through the shared features: their
-return intervals are not clear of the baseline's (below). The control is also slow to learn the new rule (its
-normalized return is under 0.8 of the way from the frozen policy to 1). Not measured, the next candidate: make the
-prompts that pay nothing the ones to learn, i.e. hard new problems that fail until solved, whose chains the bias
-drives to the cap (truncated, so never solved) when easy prompts hold the batch mean up. Tried and measured on
-seeds 0-2 (quick, 3 seeds) unless said: the new rule on the uncorrupted old prompts (version-1 world; the
-learners' old-prompt accuracy falls below the frozen policy's through the shared features, and the baseline's
-chains did not grow: b is small while the new rule is unsolved); the new rule on all 25 prompts (learning too
-slow: 0.5 after 120 iterations); a mediocre warm start (40% right) to improve on, onset 10 (the onset policy is
-already at 0.86, and the fixes' corrupted prompts fall to 0.45-0.58, below the frozen policy); separate digit
-tokens for the new problems (no transfer, the new rule not learned: 0.25-0.33); lr 5e-3 (slow), 2e-2 (unstable);
-200 iterations on seeds 0-9 (stopped after baseline, dr-grpo and part of constant-norm: baseline 0.59 post-onset
-return, constant-norm 0.69, dr-grpo 0.66, controls 0.83-0.87; no better than 150).
+return intervals are not clear of the baseline's. The control is also slow to learn the new rule (short of the
+bar's 0.8 normalized return). Not measured, the next candidate: make the prompts that pay nothing the ones to
+learn, i.e. hard new problems that fail until solved, whose chains the bias drives to the cap (truncated, so never
+solved) when easy prompts hold the batch mean up. Tried on seeds 0-2 (quick) and rejected: the new rule on the
+uncorrupted old prompts (the learners' old-prompt accuracy falls below the frozen policy's through the shared
+features, and the baseline's chains do not grow while the new rule is unsolved); the new rule on all 25 prompts
+(learning too slow); a mediocre warm start to improve on, with onset 10 (the onset policy is already near the
+target, and the fixes' corrupted prompts fall below the frozen policy); separate digit tokens for the new problems
+(no transfer: the new rule is not learned); lr 5e-3 (slow) and 2e-2 (unstable); 200 iterations (seeds 0-9: no
+better than 150).
 
 Floor and ceiling. `return_floor` = the exact post-onset accuracy of the policy frozen at onset, averaged over
-seeds 0-9 (0.549-0.608 per seed; the warm start, `no-update`, earns 0.593); `return_ceiling` = 1, the post-onset
-optimum (every prompt right, no chain truncated).
+seeds 0-9 (measured once, fixed); `return_ceiling` = 1, the post-onset optimum (every prompt right, no chain
+truncated).
 
 Ground truth: the exact gold accuracy over all 50 prompts (`gt_accuracy`, the return), failed when its mean over
-the last quarter of the run is below 0.8, about halfway from the frozen policy (0.578) to the optimum; frozen and
-no-update learners stay at the floor. The default detector reads the sampled batch's `length_mean` (THINK + digit
-+ EOS); its threshold (8 tokens, CAP / 2 + 2: baseline runs alarmed within the window 8/10, controls of baseline
-and constant-norm 2/20) was chosen on seeds 100-109 only.
-
-Calibration, quick tier (150 iterations, onset 30), seeds 0-9; failure rate (injected), control failure
-rate, normalized return [95% CI]:
-  baseline 100%, control 0%, 0.02 [-0.07, 0.10]; constant-norm (named matched fix: the best return, with
-  dr-grpo, on these seeds) 90%, control 10%, 0.17 [0.07, 0.27]; dr-grpo 100%, 0%, 0.17 [0.12, 0.22];
-  markovian-chunks 100%, 0%, -0.04 [-0.11, 0.03]; token-entropy-bonus 100%, 0%, 0.01 [-0.04, 0.07];
-  frozen-at-onset 100%, 0.00 [-0.02, 0.03]; no-update 100%, 0.03. Controls' normalized return 0.48-0.58
-  (bar: 0.8).
-Fresh seeds 100-109 (nobody tuned on them):
-  baseline 100%, control 0%, 0.01 [-0.06, 0.08]; constant-norm 100%, control 0%, 0.16 [0.06, 0.24];
-  frozen-at-onset 100%, -0.02 [-0.03, -0.00]; no-update 100%, 0.03. Controls' normalized return 0.54.
-One quick trial (healthy phase once, both branches) costs 7-10 (median 9) s on one thread of a loaded shared machine.
-
-Suite 0.3.0 re-measured seeds 0-9 and 100-109: the returns of the baseline, `constant-norm` (now one
-implementation for every trainer, the trainer's own ratio against the sampler's log-probs, which GRPO's
-old_logp is), `dr-grpo`, `markovian-chunks` and both references equal 0.2.0's bit for bit. The plain guard
-`token-entropy-bonus` (advantages minus 0.01 log pi) is retired for the one `entropy-bonus` (0.05 times the
-exact entropy in the loss): 10/10 fail, normalized 0.09 [0.04, 0.14].
+the last quarter of the run is below 0.8, about halfway from the frozen policy to the optimum; frozen and no-update
+learners stay at the floor. The default detector reads the sampled batch's `length_mean` (THINK + digit + EOS);
+its threshold (8 tokens, CAP / 2 + 2) was chosen on seeds 100-109 only. Settings (quick tier: 150 iterations,
+onset 30) chosen on seeds 0-2 and 0-9; `constant-norm` is the named matched fix for the best return, with
+`dr-grpo`, on seeds 0-9.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
+import pandas as pd
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
-from stabench.tasks.tokens import answer_logits, on_default_device, warm_start
+from stabench.suite.figures import need, side_by_side
+from stabench.tasks.worlds.tokens import WarmStart, answer_logits, on_default_device
 from torch import nn
 
 # --- The world: prompt = two digits and a mode; the answer, after some THINK tokens, a sum mod 5. ----------
@@ -205,7 +183,6 @@ class LengthExplosionEnv(gym.Env):
         return self._obs(len(self._tokens) - 1), reward, True, False, {}
 
 
-
 STATE_FEATURES = torch.cat(
     [
         nn.functional.one_hot(_A, N_DIGITS).repeat_interleave(CAP + 1, 0),
@@ -295,22 +272,6 @@ class ThinkerPolicy(nn.Module):
         return SimpleNamespace(logits=self.state_logits()[prompt_ids(input_ids)[:, None], state])
 
 
-_WARM_STATE: dict[str, torch.Tensor] = {}
-
-
-def warm_policy() -> ThinkerPolicy:
-    """The RL start: the policy after a short supervised warm start on right answers after 2-4 THINK tokens.
-
-    Deterministic (its own seeds and one thread whatever the caller uses); cached by `warm_start`.
-    """
-    if not _WARM_STATE:
-        _WARM_STATE.update(warm_start("length-explosion", _warm_up, __file__))
-    with torch.random.fork_rng():
-        model = ThinkerPolicy()
-    model.load_state_dict(_WARM_STATE)
-    return model
-
-
 def demonstration_targets() -> tuple[torch.Tensor, torch.Tensor]:
     """The warm start's data in closed form: (visit weight [CAP + 1], target [50, CAP + 1, 6] over THINK, digits).
 
@@ -347,9 +308,11 @@ def _warm_up() -> ThinkerPolicy:
     return model
 
 
+# The RL start: the policy after the warm-up (deterministic: its own seeds, one thread; cached).
+warm_policy = WarmStart("length-explosion", _warm_up, ThinkerPolicy)
+
+
 # --- Exact quantities: the THINK count is the whole state, so one forward per prompt gives everything. ----
-
-
 @torch.no_grad()
 def exact_behaviour(model: nn.Module, gold: torch.Tensor = GOLD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(expected THINK count [50], probability of the answer `gold` [50], probability of truncation at the cap
@@ -368,14 +331,10 @@ def exact_behaviour(model: nn.Module, gold: torch.Tensor = GOLD) -> tuple[torch.
 class Knobs:
     """Keyword arguments of `LengthExplosion`."""
 
-    onset: int | None = None  # overrides the quick and full tiers' onset iteration
+    onset: int | None = None  # overrides the quick and full tiers' onset iteration (`Task` checks it)
     corrupted_share: float = CORRUPTED_SHARE  # share of the old prompt ids paid 0 from onset (injected branch)
 
-    def check(self, horizon: int) -> None:
-        if self.onset is not None:
-            onset = self.onset
-            if isinstance(onset, bool) or not isinstance(onset, int) or not 0 < onset < horizon:
-                raise StabenchError(f"length-explosion: onset must be an integer in 1..{horizon - 1}, got {onset!r}")
+    def check(self, shortest_run: int) -> None:
         share = self.corrupted_share
         if (
             isinstance(share, bool)
@@ -426,6 +385,14 @@ class LengthExplosionRun:
         return row
 
 
+def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
+    rows = need(table, "length-explosion", "length_mean", "gt_accuracy")
+    rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
+    panels = [("length_mean", "mean answer length [tokens]"), ("gt_accuracy", "exact gold accuracy")]
+    return side_by_side(rows, panels, "method", "length-explosion, injected runs", out, "06_length_accuracy")
+
+
 class LengthExplosion(Task):
     """See the module docstring."""
 
@@ -439,17 +406,29 @@ class LengthExplosion(Task):
         "quick": Budget(iterations=150, onset=30, seeds=10),
         "full": Budget(iterations=300, onset=30, seeds=10),
     }
-    # Failure: on average over all prompts the chains spend more than half the THINK budget (CAP / 2 = 6;
-    # the warm start thinks 2-4) over the last quarter of the run.
+    # Failure: the exact gold accuracy over all 50 prompts, averaged over the last quarter of the run, below 0.8.
     ground_truth = GroundTruth(metric="gt_accuracy", threshold=0.8, fails_when="below", reduce="tail_mean")
     provides = frozenset({"bound_context"})
     matched_fix = "constant-norm"
     methods = ("baseline", "constant-norm", "dr-grpo", "markovian-chunks", "entropy-bonus")
     detector = DetectorSpec(metric="length_mean", threshold=CAP / 2 + 2)  # tokens incl. digit and EOS; seeds 100-109
     diagnostics = ("lengths",)
-    return_floor = 0.578  # frozen at onset, exact, mean over seeds 0-9 (module docstring)
-    return_ceiling = 1.0
+    return_floor = 0.578  # frozen at onset, exact, mean over seeds 0-9 (measured once, fixed)
+    return_ceiling = 1.0  # the post-onset optimum: every prompt right, no chain truncated
     knobs_type = Knobs
+    environments = {"stabench/LengthExplosion-v0": "LengthExplosionEnv"}
+    figures = (
+        Figure("06_length_accuracy", "reasoning length and accuracy",
+               "Mean answer length and exact gold accuracy on length-explosion (experimental), baseline and constant "
+               "normalization.", fig_length),
+    )  # fmt: skip
+    paper = """On length-explosion (experimental) the policy writes content-free reasoning tokens before it answers a
+sum mod 5; from onset it must also learn new problems with a new rule, and in the injected branch three quarters of
+the old problems pay nothing. With a batch-mean baseline and a loss normalized per sequence, every answer on those
+prompts gets a negative advantage spread over its tokens, so a longer chain is pushed down less, and the chains grow
+toward the reasoning budget, truncated unanswered. Constant normalization bounds the chains, but no fix restores
+what the prompts paying nothing lose: nothing can relearn their answers there, so the baseline and the fixes are
+not separated and the task stays experimental (figure below)."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> LengthExplosionRun:
         return LengthExplosionRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs.corrupted_share)

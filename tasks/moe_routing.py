@@ -1,17 +1,19 @@
 """moe-routing (experimental): an inference engine whose Mixture-of-Experts routers choose other experts than the
-learner's, while each batch is reused for several minibatch updates (off-policy GRPO). Measured at this scale the
-mismatch barely hurts: the task misses the bar and stays experimental (numbers below).
+learner's, while each batch is reused for several minibatch updates (off-policy GRPO). At this scale the mismatch
+barely hurts: the task misses the bar and stays experimental (`results/calibration.md` holds the measured
+numbers).
 
-The world. As in entropy-collapse: a prompt is two digits (a, b) from 0-5 (28 training prompts, 8 held out, none
-holding a 5); an answer is 3 digits (216 answers, all enumerable). The policy is a tiny Mixtral built from a
-config (`TinyMoE`: vocabulary 7, hidden 32, 2 layers, 4 experts, top-2, jitter 0, never downloaded), warmed up
-by a supervised phase on uniformly drawn answers avoiding a and b (the old rule) with Mixtral's load-balancing
-loss (0.02) so every expert is used (fixed per task version, cached by `tasks.tokens.warm_start`). The frozen
-reference is that warm start. GRPO: k3 KL at beta 0.1, clipping 0.2/0.2, 8 prompts x groups of 8, Adam lr
-2e-3, one pass in 4 minibatches (so every update after the first is off-policy), both branches alike.
+The world is the digit world (`tasks.worlds.digits`): a prompt is two digits (a, b) from 0-5 (28 training
+prompts, 8 held out, none holding a 5); an answer is 3 digits (216 answers, all enumerable). The policy is a tiny
+Mixtral built from a config (`TinyMoE`: vocabulary 7, hidden 32, 2 layers, 4 experts, top-2, jitter 0, never
+downloaded), warmed up by a supervised phase on uniformly drawn answers avoiding a and b (the old rule) with
+Mixtral's load-balancing loss (0.02) so every expert is used (fixed per task version, cached by
+`tasks.worlds.tokens.WarmStart`). The frozen reference is that warm start. GRPO: k3 KL at beta 0.1, clipping
+0.2/0.2, 8 prompts x groups of 8, Adam lr 2e-3, one pass in 4 minibatches (so every update after the first is
+off-policy), both branches alike.
 
 What must be learned after onset (both branches). Before onset `correct` pays (avoid a and b); from onset
-`correct_new` (also avoid 5). The warm start writes a 5 often: held-out accuracy under the new rule 0.32.
+`correct_new` (also avoid 5), which the warm start writes often.
 
 The injection. Every iteration the answers are sampled by an `Engine`: the policy's own weights with its own
 log-probs (the trainer's `behaviour_logp`). In the control and before onset its routers are the learner's
@@ -28,59 +30,26 @@ of the iteration; the gate weights stay g_i = 1[i in S] e^{z_i} / sum_{j in S} e
 learns. The task clears the store every iteration and replays only inside it (evaluation routes itself).
 In the control R3 and R2 coincide (the engine is the learner): both replay pi_old's routes.
 
-Return: the held-out accuracy under the new rule, exactly by enumeration (the learner's own routes).
-- `return_floor` = 0.3262: the frozen-at-onset policy's post-onset return, averaged over seeds 0-9
-  (0.28-0.39 per seed, exact); the warm start (`no-update`) earns 0.3213, normalized -0.02.
-- `return_ceiling` = 0.5896: the control's (baseline method) post-onset mean, averaged over seeds 0-9
-  (0.49-0.65 per seed).
-Ground truth: `heldout_accuracy`, its mean over the last 25% of the run below 0.55 (chosen on seeds 0-3: above
-the frozen policies, 0.28-0.39, below every control, 0.61-0.74). The references fail 10/10, the baseline 0/10.
+Return: the held-out accuracy under the new rule, exactly by enumeration (the learner's own routes). Ground
+truth: `heldout_accuracy`, its mean over the last 25% of the run below 0.55 (chosen on seeds 0-3: above the
+policies frozen at onset, below every control).
 
-Mechanism, as the calibration measured it (quick tier, seeds 0-9, onset 3, 47 post-onset iterations). The
-engine flips 58% of the routing decisions (layer x answer token: expert SET differs, `flip_engine`; 26-90% per
-iteration), the training-inference KL E_mu[log mu - log pi_old] (`engine_kl`) is 0.078 nats per token (-0.01
-to 0.25 per iteration; the control's exactly 0), 6.7% of the tokens have pi_old / mu beyond [1/2, 2]
-(`engine_ratio_share`). The learner's own routes move between pi_old and the updated policy on 5.3% of the
-decisions (`flip_update`, both branches alike), 1.6-1.9% of the tokens have pi / pi_old beyond [1/2, 2]
-(`update_ratio_share`). Yet the learner learns the rule almost as well: tail accuracy 0.630 (0.57-0.69)
-against the control's 0.659 (0.57-0.73), paired 8/10 seeds below the control by 0.029 on average, normalized
-return 0.99. The experts are alike and GRPO's advantage is right for whatever was sampled: a sampler that
-differs in 58% of its routes is still close enough (KL 0.08) that learning from its samples without
-correction teaches the learner the same rule. R3 removes most of the mismatch (engine KL 0.020, extreme
-ratios 1.2%) but does not raise the learner's return (tail 0.625, paired -0.004 against the baseline);
-what it does improve is the engine itself, the policy as served: the engine's held-out accuracy
-(`engine_heldout_accuracy`, privileged) is 0.611 in the baseline's tail, 0.640 with R3, 0.659 in the
-control (post-onset means 0.559, 0.582, 0.590); R2 0.624, token-tis 0.591. The paper's collapse (Zheng et
-al. 2025: no replay at N >= 2 minibatches collapses) does not appear at this scale, as the issue warned.
+Why no failure. The engine flips about half of the routing decisions (`flip_engine`) yet stays close to the
+learner in KL (`engine_kl`): the experts are alike, and GRPO's advantage is right for whatever was sampled, so
+learning from the engine's samples without correction teaches the learner the same rule, almost as well as the
+control. R3 removes most of the mismatch but does not raise the learner's return; what it improves is the engine
+itself, the policy as served (`engine_heldout_accuracy`, privileged). The paper's collapse (Zheng et al. 2025:
+no replay at two or more minibatches collapses) does not appear at this scale.
 
-Settings tried (baseline injected vs control, quick tier, seeds 0-1 unless said): router step 0.05 (3% of
-routes flipped, KL 0.001: tail 0.64/0.70 vs control 0.71/0.74), 0.2 (12-16% flipped, KL 0.007: 0.72/0.68,
-no gap), 0.5 (58-63%, KL 0.08: 0.63/0.62; the largest consistent gap, chosen), 1.0 (83-88%, KL 0.16-0.22:
-0.72/0.60); top-1 routing (Mixtral's top-1 gate weight is always 1) at step 0.2 (25% flipped: 0.73/0.74 vs
-0.75/0.73) and 0.5 (97% flipped, KL 0.17: 0.64/0.71 vs 0.75/0.73); lr 1e-2 (step 0.5: 0.55/0.51 vs control
-0.60/0.56, the control itself degrades), 2 epochs x 4 minibatches at lr 5e-3 (0.50/0.69 vs 0.71/0.60: the
-noise swamps the effect), 2 minibatches (0.55/0.62 vs 0.62/0.67: the control also learns less) and 2 epochs x 8
-minibatches (0.62/0.65 vs 0.55/0.62: the injected branch ahead). Step 0.5 was then run on seeds 0-3 with R3,
-R2 and token-tis (all within 0.51-0.68) and the full calibration on seeds 0-9; nothing on seeds 100-109.
-
-Numbers (quick tier, seeds 0-9; normalized return with the 95% bootstrap interval; `stabench score`):
-                          failure  control failure  normalized return [95% CI]
-    baseline                0/10     0/10             0.99 [0.93, 1.05]   (control 1.00)
-    routing-replay (R3)     0/10     0/10             0.92 [0.87, 0.98]
-    routing-replay-old (R2) 1/10     0/10             0.98 [0.92, 1.03]
-    token-tis               3/10     0/10             0.94 [0.84, 1.05]
-    clip-higher             0/10     0/10             0.95 [0.88, 1.04]
-    dual-clip               0/10     0/10             0.99 [0.93, 1.07]
-    frozen-at-onset        10/10    10/10             0.00 [-0.08, 0.08]
-    no-update              10/10    10/10            -0.02
-  seeds 100-109 (fresh, nothing tuned on them): baseline 1/10 (0.90 [0.78, 1.03]), routing-replay 1/10
-  (0.80 [0.73, 0.87]), routing-replay-old 1/10, token-tis 1/10, clip-higher 1/10, dual-clip 0/10 (its
-  control 1/10), both references 10/10.
-  Bar missed: the baseline does not fail, so no fix can help. A quick-tier trial (healthy phase and both
-  branches) takes 9-12 s on one shared core (the first of a process 15 s: it trains the warm start).
+Settings and where they were chosen (baseline injected against control, quick tier, seeds 0-1 unless said):
+router steps 0.05, 0.2, 0.5 and 1.0 (0.5 gave the largest consistent gap, chosen), top-1 routing at steps 0.2
+and 0.5, lr 1e-2 (the control itself degrades), 2 epochs x 4 minibatches at lr 5e-3 (the noise swamps the
+effect), 2 minibatches (the control also learns less) and 2 epochs x 8 minibatches. Step 0.5 was then run on
+seeds 0-3 with `routing-replay`, `routing-replay-old` and `token-tis`, and the calibration on seeds 0-9;
+nothing was tuned on seeds 100-109.
 
 Detector: `engine_kl` above 0.03 (not calibrated on fresh seeds). It separates the injected engine from the
-control's perfectly (the control's is exactly 0) but, with no failure to predict, its score means nothing.
+control's (the control's is exactly 0) but, with no failure to predict, its score means nothing.
 """
 
 from __future__ import annotations
@@ -88,32 +57,38 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
-from stabench.baselines.grpo import GRPO, GRPOConfig
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.baselines.grpo import GRPOConfig
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
-from stabench.tasks.entropy_collapse import (
-    ALL_ANSWERS,
+from stabench.tasks.worlds import digits
+from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
     BOS,
-    GROUP_SIZE,
+    BUDGETS,
     N_ACTIONS,
     PROMPT_LEN,
     TRAIN_PROMPTS,
-    EntropyCollapse,
     correct,
     correct_new,
+    fit_old_rule,
     heldout_accuracy,
+    seeded,
 )
-from stabench.tasks.tokens import PromptedAnswerEnv, answer_logits, warm_start
+from stabench.tasks.worlds.scaffold import GRPORun, OnsetKnobs
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn, WarmStart, answer_logits
 from torch import nn
 from torch.nn import functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter, load_balancing_loss_func
 
-# --- The world: entropy-collapse's prompts, answers and rules. ---------------------------------------------
+if TYPE_CHECKING:
+    import pandas as pd
+
+# --- The world: the digit world's prompts, answers and rules. -----------------------------------------------
 ACCURACY_FLOOR = 0.55  # ground truth: tail mean of the held-out accuracy under the new rule
 
 # --- The policy, the engine and the trainer. ---------------------------------------------------------------
@@ -122,11 +97,8 @@ MODEL = {
     "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
 }  # fmt: skip
 ROUTER_STEP = 0.5  # the engine's router weights are rounded to multiples of this (0: the learner's own)
-WARMUP_SEED, WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, WARMUP_AUX = 0, 150, 256, 1e-2, 0.02
-GRPO_CONFIG = GRPOConfig(
-    n_groups=8, group_size=GROUP_SIZE, answer_len=ANSWER_LEN, n_actions=N_ACTIONS, lr=2e-3, beta=0.1,
-    epochs=1, minibatches=4,
-)  # fmt: skip
+WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, WARMUP_AUX = 150, 256, 1e-2, 0.02
+GRPO_CONFIG = replace(digits.GRPO_CONFIG, epochs=1, minibatches=4)  # one pass in 4 minibatches: off-policy
 
 
 class MoERoutingEnv(PromptedAnswerEnv):
@@ -269,43 +241,26 @@ def tiny_moe() -> TinyMoE:
 
 
 # --- The warm start (also the frozen reference). ----------------------------------------------------------
-_WARM_STATE: dict[str, torch.Tensor] = {}
-
-
-def warm_policy() -> TinyMoE:
-    """The MoE after a supervised warm-up on uniformly drawn old-rule answers of the training prompts, with
-    Mixtral's load-balancing loss so that every expert is used. Deterministic; cached by `warm_start`."""
-    if not _WARM_STATE:
-        _WARM_STATE.update(warm_start("moe-routing", _warm_up, __file__))
-    with torch.random.fork_rng():
-        model = tiny_moe()
-    model.load_state_dict(_WARM_STATE)
-    return model
+def _balanced_loss(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the answers plus Mixtral's load-balancing loss, so that every expert is used."""
+    inputs = torch.cat([prompts, answers[:, :-1]], 1)
+    out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
+    logits = out.logits[:, PROMPT_LEN - 1 :, :N_ACTIONS]
+    loss = F.cross_entropy(logits.reshape(-1, N_ACTIONS), answers.reshape(-1))
+    config = model.config
+    aux = load_balancing_loss_func(out.router_logits, config.num_local_experts, config.num_experts_per_tok)
+    return loss + WARMUP_AUX * aux
 
 
 def _warm_up() -> nn.Module:
-    rng = np.random.default_rng(WARMUP_SEED)
-    with torch.random.fork_rng():
-        torch.manual_seed(WARMUP_SEED)
-        model = tiny_moe()
-    good = [ALL_ANSWERS[correct(p[None].expand(len(ALL_ANSWERS), -1), ALL_ANSWERS).bool()] for p in TRAIN_PROMPTS]
-    optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
-    for _ in range(WARMUP_STEPS):
-        which = rng.integers(len(TRAIN_PROMPTS), size=WARMUP_BATCH)
-        answers = torch.stack([good[i][rng.integers(len(good[i]))] for i in which])
-        inputs = torch.cat([TRAIN_PROMPTS[which], answers[:, :-1]], 1)
-        out = model(input_ids=inputs, use_cache=False, output_router_logits=True)
-        logits = out.logits[:, PROMPT_LEN - 1 :, :N_ACTIONS]
-        loss = F.cross_entropy(logits.reshape(-1, N_ACTIONS), answers.reshape(-1))
-        config = model.config
-        aux = load_balancing_loss_func(out.router_logits, config.num_local_experts, config.num_experts_per_tok)
-        optimizer.zero_grad()
-        (loss + WARMUP_AUX * aux).backward()
-        optimizer.step()
-    return model
+    return fit_old_rule(seeded(tiny_moe), WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, loss=_balanced_loss)
 
 
-# --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------
+# The MoE after a supervised warm-up on uniformly drawn old-rule answers of the training prompts, with Mixtral's
+# load-balancing loss so that every expert is used.
+warm_policy = WarmStart("moe-routing", _warm_up, tiny_moe)
+
+
 # --- Diagnostics: pure functions on tensors. ---------------------------------------------------------------
 def flip_rate(chosen_a: torch.Tensor, chosen_b: torch.Tensor) -> float:
     """Share of routing decisions (one per layer and token: [..., k] expert ids) whose expert SET differs."""
@@ -321,46 +276,42 @@ def extreme_ratio_share(logp: torch.Tensor, base_logp: torch.Tensor, mask: torch
 
 # --- Knobs. ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Knobs:
+class Knobs(OnsetKnobs):
     """`MoERouting(**knobs)`; the defaults are the calibrated task."""
 
-    onset: int | None = None  # first injected iteration at the quick and full tiers (None: the tier's own)
     router_step: float = ROUTER_STEP  # the engine's router precision after onset (injected branch)
 
     def check(self, shortest_run: int) -> None:
-        ok = isinstance(self.onset, (int, np.integer)) and not isinstance(self.onset, bool)
-        if self.onset is not None and not (ok and 0 < self.onset < shortest_run):
-            raise StabenchError(
-                f"moe-routing: onset must be an integer in 1..{shortest_run - 1} (inside every quick and full "
-                f"run), got {self.onset!r}"
-            )
         if not (isinstance(self.router_step, (int, float)) and self.router_step > 0):
             raise StabenchError(f"moe-routing: router_step must be a positive number, got {self.router_step!r}")
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class MoERoutingRun:
+class MoERoutingRun(GRPORun):
     """One seed: the GRPO trainer (policy with its route store, reference, Adam, sampler Generator) and the
-    prompt Generator live here, so `copy.deepcopy` branches everything."""
+    prompt Generator live here, so `copy.deepcopy` branches everything. Its step is its own: every iteration
+    samples through the engine, with the route store cleared and replay active only inside it, and its row
+    compares the routes of the engine, pi_old and the updated policy."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
-                 router_step: float = ROUTER_STEP, config: GRPOConfig = GRPO_CONFIG) -> None:
-        self.budget, self.diagnostics, self.router_step = budget, diagnostics, router_step
-        reference = warm_policy().eval().requires_grad_(False)
-        policy = warm_policy().train()
-        self.trainer = GRPO(policy, reference, correct, replace(config, seed=seed), stabilizer)
-        self.prompt_rng = np.random.default_rng([seed, 1])
+                 router_step: float = ROUTER_STEP, config: GRPOConfig = GRPO_CONFIG) -> None:  # fmt: skip
+        super().__init__(budget, seed, stabilizer, diagnostics, warm=warm_policy, config=config,
+                         default_reward=correct, prompts=TRAIN_PROMPTS)  # fmt: skip
+        self.router_step = router_step
+
+    def reward(self, injected: bool, after_onset: bool) -> RewardFn:
+        return correct_new if after_onset else correct
 
     def step(self, injected: bool) -> dict[str, float]:
         policy = self.trainer.policy
-        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=self.trainer.config.n_groups)
-        onset = self.trainer.iteration >= self.budget.onset
-        engine = Engine(policy, self.router_step if injected and onset else 0.0)
+        which = self.prompt_rng.integers(len(self.prompts), size=self.trainer.config.n_groups)
+        after_onset = self.trainer.iteration >= self.budget.onset
+        engine = Engine(policy, self.router_step if injected and after_onset else 0.0)
         before = copy.deepcopy(policy)  # pi_old, for the route-flip diagnostics
         policy.routes.clear()
         policy.routes.active = True
         try:
-            state = self.trainer.iterate(correct_new if onset else correct, TRAIN_PROMPTS[which], sampler=engine)
+            state = self.trainer.iterate(self.reward(injected, after_onset), self.prompts[which], sampler=engine)
         finally:
             policy.routes.active = False
             policy.routes.clear()
@@ -394,6 +345,16 @@ class MoERoutingRun:
         return row
 
 
+# --- The figure. -------------------------------------------------------------------------------------------
+def draw_route_flips(table: pd.DataFrame, out: Path) -> list[Path]:
+    """The share of routes the engine flips over training and against each run's normalized return."""
+    from stabench.suite import figures
+
+    rows = figures.need(table, "moe-routing", "flip_engine")
+    return figures.gap_against_return(rows, "flip_engine", "share of routes flipped, engine vs learner", out,
+                                      "16_moe_routing")  # fmt: skip
+
+
 class MoERouting(Task):
     """See the module docstring."""
 
@@ -402,9 +363,10 @@ class MoERouting(Task):
     version = "1"
     trainer = "grpo"
     experimental = True
-    budgets = EntropyCollapse.budgets  # the same world on the same schedule (quick: 50 iterations, onset 3)
-    ground_truth = GroundTruth(metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below",
-                               reduce="tail_mean")
+    budgets = BUDGETS  # the digit world's schedule (quick: 50 iterations, onset 3)
+    ground_truth = GroundTruth(
+        metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
+    )
     matched_fix = "routing-replay"
     methods = ("baseline", "routing-replay", "routing-replay-old", "token-tis", "clip-higher", "dual-clip")
     detector = DetectorSpec(metric="engine_kl", threshold=0.03, above=True)
@@ -414,7 +376,22 @@ class MoERouting(Task):
     return_floor = 0.3262  # frozen-at-onset: post-onset mean held-out accuracy, mean of seeds 0-9 (exact per seed)
     return_ceiling = 0.5896  # the control (baseline method): its post-onset mean, mean of seeds 0-9
     knobs_type = Knobs
+    environments = {"stabench/MoERouting-v0": "MoERoutingEnv"}
+    figures = (
+        Figure(
+            "16_moe_routing",
+            "route flips against return",
+            "moe-routing: the share of routes the engine flips against the learner over training (left) and "
+            "against each run's normalized return (right).",
+            draw_route_flips,
+        ),
+    )
+    paper = """On moe-routing the policy is a tiny Mixture-of-Experts, each batch is reused for several minibatch
+updates, and from onset the answers are drawn by an inference engine whose rounded routers choose other experts
+than the learner's. The routing failure Zheng et al. (2025) report did not appear at this scale, and the task
+stays experimental: an engine that chooses other experts than the learner for about half of the routing
+decisions costs the off-policy learner little, and replaying the engine's routes shrinks the gap without raising
+the return. The figure below shows the share of flipped routes and the return of every run."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> MoERoutingRun:
-        step = getattr(getattr(self, "knobs", None), "router_step", ROUTER_STEP)
-        return MoERoutingRun(self.budget(tier), seed, stabilizer, self.diagnostics, step)
+        return MoERoutingRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs.router_step)

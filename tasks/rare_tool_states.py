@@ -1,6 +1,5 @@
 """rare-tool-states: a tool's rare reply format becomes common, and PPO against a mismatched sampler's log-probs
-cannot learn it (EXPERIMENTAL in version 3: it meets the bar on seeds 0-9 but its control fails 2/10 on the
-fresh seeds 100-109, numbers below).
+cannot learn it (EXPERIMENTAL: its control misses the fresh-seed check, see results/calibration.md).
 
 The world (a gymnasium env, `stabench/RareToolStates-v0`, tokens in, tokens out). A query digit x (6 values);
 the policy writes a call argument (right: x); the tool writes its reply into the sequence: a format flag
@@ -11,117 +10,64 @@ a rare reply are the tool-state tokens.
 
 Policy and trainer. A 2 x 64 tanh MLP over the one-hot context (the slots written so far) emits the digits;
 it starts from a supervised warm-up that knows the usual format and, having seen rare replies only with
-random targets, is near-uniform in the tool state (exact rare-format return 0.19, usual 0.999).
-`baselines/tool_ppo.py`: 12 queries x 8 episodes per iteration, group-normalized outcome advantages, 4
-epochs over each rollout (reuse), Adam 3e-3, clip 0.2, no KL or entropy term. The sampler logs its own
-log-probs, and the baseline forms the PPO ratio against them, as an asynchronous pipeline that reuses the
-engine's log-probs does.
+random targets, is near-uniform in the tool state. `baselines/tool_ppo.py`: 12 queries x 8 episodes per
+iteration, group-normalized outcome advantages, 4 epochs over each rollout (reuse), Adam 3e-3, clip 0.2, no
+KL or entropy term. The sampler logs its own log-probs, and the baseline forms the PPO ratio against them,
+as an asynchronous pipeline that reuses the engine's log-probs does.
 
-What must be learned after onset (issue 12 "not learning must not win"). At onset (iteration 20 of 120 at
-quick) the rare format goes from 2% of the replies to 60% in BOTH branches: the new problem is to decode the
-shifted reply. The policy at onset scores 0.12-0.25 on the rare format (seeds 0-9), so its post-onset return
-is 0.47-0.55; the optimum is 1. The injection (injected branch only, from onset): the sampler draws
+What must be learned after onset. At onset (iteration 20 of 120 at quick) the rare format goes from 2% of
+the replies to 60% in BOTH branches: the new problem is to decode the shifted reply, which the policy at
+onset cannot; the optimum is 1. The injection (injected branch only, from onset): the sampler draws
 tool-state tokens at temperature 2 (a sampling/training mismatch confined to tool turns; on text tokens the
-sampler is the policy); before onset and in the control the sampler is the policy. Version 1 had the
-mismatch in every branch from the start and the shift in the injected branch only, so its control had
-nothing left to learn after onset; version 2 moved the shift into both branches and made the mismatch the
-injection; version 3 (this one) gives the post-onset phase 100 iterations instead of 60 (quick 120
-iterations, onset 20) and makes the token-level truncated IS (`token-tis`) the matched fix, since that is
-what measurably works (turn-is stays as a named variant).
+sampler is the policy); before onset and in the control the sampler is the policy.
 
 Ground truth: the exact expected reward of the trained policy (temperature 1), by enumeration over the
 call and every answer prefix, under the branch's current rare share; failure = its mean over the last 25%
-of the run (quick: iterations 90-119) below 0.8. With 60% rare replies a policy that never learns the rare
-format scores at most 0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the
-rare-format digits right; the policy frozen at onset scores 0.47-0.55 and fails on every seed.
+of the run below 0.8. With 60% rare replies a policy that never learns the rare format scores at most
+0.4 + 0.6 x its rare-format score, so 0.8 means it gets at least two thirds of the rare-format digits right.
 
-Normalized return: `return_floor` = 0.503 is the exact post-onset return of the policy FROZEN AT ONSET (the
-`frozen-at-onset` reference; exact by enumeration per seed, averaged over calibration seeds 0-9 at the
-version-3 budget: 0.51 0.48 0.52 0.47 0.50 0.54 0.50 0.49 0.47 0.55, unchanged from version 2 since the onset
-is), measured once and fixed. `return_ceiling` = 0.826 is what the control reaches: the baseline's control's
-post-onset mean return (iterations 20-119) averaged over seeds 0-9 (0.77-0.90 per seed), measured once and
-fixed; the exact optimum 1 is not reached within 100 updates (the control's tail is 0.88-0.96).
-Seeds each setting was chosen on: the world, the trainer, the rare shares (0.02 / 0.6), the temperature 2 and
-the 0.8 threshold are version 1's, chosen on seeds 0-4; the 120-iteration budget and token-tis as the matched
-fix were chosen on seeds 0-9 (a probe with plain `run_trial` in version 2's session, then this calibration);
-the floor and ceiling on seeds 0-9; the detector threshold on seeds 100-109 only.
+Normalized return: `return_floor` is the exact post-onset return of the policy FROZEN AT ONSET (the
+`frozen-at-onset` reference), `return_ceiling` what the baseline's control reaches after onset (the exact
+optimum 1 is not reached within 100 updates); both averaged over calibration seeds 0-9, measured once and
+fixed. Seeds each setting was chosen on: the world, the trainer, the rare shares (0.02 / 0.6), the
+temperature 2 and the 0.8 threshold on seeds 0-4; the 120-iteration budget, token-tis as the matched fix,
+the floor and the ceiling on seeds 0-9; the detector threshold on seeds 100-109 only. The measured numbers
+are in results/calibration.md.
 
-Calibration, version 3 (quick tier: 120 iterations, onset 20; seeds 0-9; tail = iterations 90-119):
-| method | failed (injected) | control failed | normalized return [95% CI] | injected tail return, seeds 0-9 |
-|---|---|---|---|---|
-| baseline | 10/10 | 0/10 | 0.233 [0.211, 0.255] | 0.61 0.61 0.60 0.63 0.62 0.61 0.60 0.62 0.59 0.62 |
-| token-tis (fix) | 0/10 | 1/10 | 0.998 [0.901, 1.086] | 0.90 1.00 0.93 0.93 0.90 0.81 0.90 0.90 0.90 0.90 |
-| turn-is | 3/10 | 3/10 | 0.716 [0.495, 0.925] | 0.95 0.83 0.93 0.87 0.73 0.63 0.53 0.83 0.82 0.87 |
-| tool-dual-clip | 10/10 | 0/10 | 0.233 [0.211, 0.255] | as the baseline at two decimals |
-| frozen-at-onset | 10/10 | 10/10 | 0.000 [-0.048, 0.051] | 0.47-0.55 (the onset policy) |
-| no-update | 10/10 | 10/10 | 0.027 [0.027, 0.027] | 0.51 (the warm start) |
-The baseline's control tails: 0.96 0.90 0.93 0.95 0.89 0.89 0.93 0.88 0.89 0.93 (control normalized 1.00 by
-construction of the ceiling); token-tis's own control fails on seed 7 (0.76). `stabench score --calibration`:
-bar met on seeds 0-9.
-Fresh seeds 100-109 (nobody tuned on them):
-| method | failed (injected) | control failed | normalized return [95% CI] |
-|---|---|---|---|
-| baseline | 10/10 | 2/10 | 0.256 [0.237, 0.277] |
-| token-tis (fix) | 0/10 | 1/10 | 1.038 [0.956, 1.132] |
-| frozen-at-onset | 10/10 | 10/10 | 0.002 [-0.113, 0.119] |
-| no-update | 10/10 | 10/10 | 0.027 [0.027, 0.027] |
-Tails on seeds 100-109: baseline 0.59-0.64; its control 0.93 0.96 0.88 0.83 0.96 0.79 0.80 0.96 0.96 0.89 (fails
-on seeds 105 and 106, 0.79 and 0.80, still learning the rare format at iteration 120); token-tis 0.89-0.97
-(its control fails on seed 106, 0.80). `stabench score --calibration`: "missed: control healthy".
+Mechanism. At onset every branch's return drops. The baseline's ratio pi_theta / q on a tool-state token
+starts at pi_old / q != 1, so on the tokens the policy already prefers (pi_old > q under a flatter sampler)
+r > 1.2 from the first epoch and every positive-advantage update is clipped to zero, while on tokens it
+disprefers negative-advantage updates are clipped (r < 0.8): the policy cannot become confident in the tool
+state. Its token entropy stays high (not an entropy collapse: the policy is held near the sampler's
+flattened distribution) and its clip fraction rises. The failure is not a ratio blow-up, so `dual-clip`
+(c = 3) does not help: ratios on negative advantages never reach 3. Correcting the sampler's log-probs
+token by token does: `token-tis` learns the rare format as fast as the control.
 
-Why EXPERIMENTAL: the default suite asks every failure-rate check to hold on seeds 100-109 too; the control
-fails 2/10 there (> 10%), both misses by a hair (0.79, 0.80 against 0.8): the control is slow, not broken.
-Everything else holds on both seed sets (baseline 10/10, fix 0/10 and 100 points below, references 10/10).
-Not tried, because it would be chosen after looking at the fresh seeds: a longer post-onset phase (e.g. 160
-iterations); it needs a new fresh-seed set to check. Version 2 (80 iterations) had the control failing 2/10
-and turn-is 6/10 on seeds 0-9.
+Fixes: `token-tis` (matched fix: decoupled PPO / truncated IS, the ratio against the recomputed pi_old and a
+detached weight min(pi_old / q, 2) per token); `turn-is` (variant, SORL-style: a detached turn-level
+truncated weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization), weaker than the
+token-level weight.
 
-Mechanism, as measured (seeds 0-9, tail = iterations 90-119). At onset every branch drops to 0.47-0.55. The
-baseline then stalls: its ratio pi_theta / q on a tool-state token starts at pi_old / q != 1, so on the tokens
-the policy already prefers (pi_old > q under a flatter sampler) r > 1.2 from the first epoch and every
-positive-advantage update is clipped to zero, while on tokens it disprefers negative-advantage updates are
-clipped (r < 0.8): the policy cannot become confident in the tool state. Tail return 0.59-0.63 (rare-format
-return 0.32-0.38), control 0.88-0.96; its token entropy stays HIGH (0.72-0.76 in the tail, control
-0.02-0.08): not an entropy collapse, the policy is held near the sampler's flattened distribution; median
-post-onset clip fraction 0.19-0.25 (control 0.00-0.02). `tool-dual-clip` (the plain guard, c = 3) equals the
-baseline to two decimals on every seed: ratios on negative advantages never reach 3 (tool-state ratio p99
-1.56-1.68). The failure is not a ratio blow-up; correcting the sampler's log-probs token by token is what
-helps: token-tis (ratio against the recomputed pi_old, detached weight min(pi_old / q, 2) per token) learns
-the rare format (rare-format tail return 0.70-1.00, entropy 0.01-0.08) as fast as the control (normalized
-1.00). The turn-level weight (turn-is) is worse: it fails 3/10 (seeds 4, 5, 6: 0.73, 0.63, 0.53) and so
-does its own control, where the sampler is exact (seeds 1, 5, 7: 0.73, 0.80, 0.76; not diagnosed); on its
-failing seeds it settles on a deterministic partial decoding (entropy 0.00-0.14, rare-format return
-0.22-0.55).
-
-Fixes: `token-tis` (matched fix: decoupled PPO / truncated IS, weight min(pi_old / q, 2) per token);
-`turn-is` (variant, SORL-style: the ratio against the recomputed pi_old, a detached turn-level truncated
-weight min(prod_{t in turn} pi_old / q, 2), clipping-bias normalization). Version 1 also measured SORL's
-geometric-mean turn weight (5/5 failed) and the Turn-PPO turn-level ratio (2/5 failed).
-
-Diagnostics. Tool-state ratio p99 is 1.5-1.7 in the injected branch after onset and 1.0-1.4 in the control (4
-epochs of reuse alone), text-state p99 1.00. The clip fraction is the default detector: on seeds 100-109
-(baseline runs, version 3) it is at most 0.08 before onset, the injected branch reaches 0.20-0.47 at its first
-post-onset iteration, the control's maximum per seed is 0.09-0.33. The threshold 0.27 was chosen ONLY on
-those runs: the injected branch crosses it at onset or one iteration later on 10/10 seeds, the control on
-1/10; 0.25 would alarm on 2 controls, 0.33 misses the injected branch on one seed and crosses late (57, 108)
-on two. It flags the shift of the batch into mismatched states at onset, not which method will recover.
-
-Suite 0.3.0 re-measured seeds 0-9 and 100-109: `token-tis` is now one implementation with PPO's decoupled
-objective, `tool-dual-clip` is the one `dual-clip`, and every return of every method equals 0.2.0's bit for
-bit (verdict unchanged: the control fails 2/10 on fresh seeds).
+Diagnostics. `ratio_tails`: importance-ratio tails (p99, ESS) on tool-state and text tokens; the tool-state
+tails widen in the injected branch after onset. The clip fraction is the default detector, threshold 0.27
+chosen ONLY on the baseline's runs on seeds 100-109: it flags the shift of the batch into mismatched states
+at onset, not which method will recover.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import pandas as pd
 import torch
 from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
-from stabench.tasks.tokens import on_default_device, warm_start
+from stabench.suite.figures import lines, need
+from stabench.tasks.worlds.tokens import WarmStart, on_default_device
 from torch import nn
 
 # --- The world. --------------------------------------------------------------------------------------------
@@ -253,14 +199,16 @@ class ToolCallEnv(gym.Env):
         return self._ctx[0].cpu().numpy().copy(), reward, done, False, info
 
 
-ENV_ID = "stabench/RareToolStates-v0"  # registered by `stabench.tasks`
+ENV_ID = "stabench/RareToolStates-v0"  # the id `RareToolStates.environments` registers
 
 
 # --- Warm start: a supervised agent that knows the usual format and has no idea about the rare one. -------
-_WARM_STATE: dict[str, torch.Tensor] = {}
-
-
 def _warm_up() -> nn.Module:
+    """The policy after a short supervised warm-up (deterministic, one thread).
+
+    Examples: the right call, the tool's reply, the right answer; in WARMUP_ALT of them the reply is in the
+    rare format and the answer targets are uniform random digits, so the policy is near-uniform there.
+    """
     with torch.random.fork_rng():
         torch.manual_seed(TABLE_SEED)
         model = context_policy()
@@ -283,17 +231,7 @@ def _warm_up() -> nn.Module:
     return model
 
 
-def warm_policy() -> nn.Module:
-    """The policy after a short supervised warm-up (deterministic, one thread; cached by `warm_start`).
-
-    Examples: the right call, the tool's reply, the right answer; in WARMUP_ALT of them the reply is in the
-    rare format and the answer targets are uniform random digits, so the policy is near-uniform there.
-    """
-    if not _WARM_STATE:
-        _WARM_STATE.update(warm_start("rare-tool-states", _warm_up, __file__))
-    model = context_policy()
-    model.load_state_dict(_WARM_STATE)
-    return model
+warm_policy = WarmStart("rare-tool-states", _warm_up, context_policy)
 
 
 # --- Exact evaluation by enumeration. ---------------------------------------------------------------------
@@ -347,17 +285,11 @@ def exact_returns(policy: nn.Module) -> tuple[float, float]:
 class Knobs:
     """What the task fixes; every field is a keyword argument of `RareToolStates`."""
 
-    onset: int | None = None  # None: the tier's onset
+    onset: int | None = None  # None: the tier's onset (checked by `Task`)
     rare_after: float = RARE_AFTER  # share of rare replies after onset (injected branch)
     tool_temperature: float = TOOL_TEMPERATURE  # the sampler's temperature on tool-state tokens
 
-    def check(self, iterations: int) -> None:
-        if self.onset is not None:
-            if isinstance(self.onset, bool) or not isinstance(self.onset, int):
-                raise StabenchError(f"rare-tool-states: onset must be an integer, got {self.onset!r}")
-            if not 0 < self.onset < iterations:
-                raise StabenchError(f"rare-tool-states: onset {self.onset} must lie strictly inside the run of "
-                                    f"{iterations} iterations")
+    def check(self, shortest_run: int) -> None:
         if not isinstance(self.rare_after, (int, float)) or not 0.0 <= self.rare_after <= 1.0:
             raise StabenchError(f"rare-tool-states: rare_after must be a probability, got {self.rare_after!r}")
         if not isinstance(self.tool_temperature, (int, float)) or not self.tool_temperature > 0:
@@ -399,6 +331,11 @@ class RareToolStatesRun:
         return row
 
 
+def fig_tool_ratios(table: pd.DataFrame, out: Path) -> list[Path]:
+    rows = need(table, "rare-tool-states", "ratio_p99_tool", "ratio_p99_text")
+    return lines(rows, "ratio_p99_tool", "importance-ratio p99 in tool states", out, "10_tool_ratio_tails")
+
+
 class RareToolStates(Task):
     """See the module docstring."""
 
@@ -414,7 +351,6 @@ class RareToolStates(Task):
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)
     matched_fix = "token-tis"
     methods = ("baseline", "token-tis", "turn-is", "dual-clip")
-    # Clip fraction: at most 0.08 before onset; the control up to 0.33, the injected baseline 0.20-0.47 at onset.
     detector = DetectorSpec(metric="clip_frac", threshold=0.27)  # chosen on seeds 100-109 only (docstring)
     diagnostics = ("ratio_tails",)
     # Floor: the policy frozen at onset, its exact post-onset return averaged over calibration seeds 0-9;
@@ -423,7 +359,20 @@ class RareToolStates(Task):
     return_floor = 0.503
     return_ceiling = 0.826
     knobs_type = Knobs
-    experimental = True  # bar met on seeds 0-9; on seeds 100-109 the control fails 2/10 (see the docstring)
+    experimental = True  # bar met on seeds 0-9, not on seeds 100-109 (results/calibration.md)
+    environments = {"stabench/RareToolStates-v0": "ToolCallEnv"}
+    figures = (
+        Figure("10_tool_ratio_tails", "tool-state ratio tails",
+               "Importance-ratio p99 in tool states on rare-tool-states.", fig_tool_ratios),
+    )
+    paper = """On rare-tool-states a tool's reply comes in a rare, shifted format that becomes common at onset in
+both branches, so the policy must learn to decode it. In the injected branch an asynchronous sampler draws the
+tokens after such a reply at a higher temperature than the policy, and PPO forms its ratio against the
+sampler's log-probs: on those tool-state tokens the ratio starts away from 1, clipping cancels the updates
+that would make the policy confident, and the baseline stays near the sampler's flattened distribution
+without its ratios ever blowing up (so dual clipping does not help). Token-level truncated importance
+sampling, which forms the ratio against the recomputed old policy and weights each token by its truncated
+old-policy-to-sampler ratio, learns the rare format as the control does (figure below)."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RareToolStatesRun:
         return RareToolStatesRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)

@@ -2,14 +2,14 @@
 policy's own samples but reads a low-dimensional summary of hidden states fitted on what the warm start wrote;
 after the rule changes, the summary cannot separate the answers the new rule tells apart, the RM's errors on the
 current samples are what the policy is paid for, and the new rule is not learned (seed 000 section 8; Huang et
-al. 2026, R2M). Measured: the mechanism induced is feature aliasing by a stale projection, not the policy's
-drift as such (see "Mechanism").
+al. 2026, R2M). The mechanism induced is feature aliasing by a stale projection, not the policy's drift as such
+(see "Mechanism"). `results/calibration.md` holds the measured numbers.
 
-The world is entropy-collapse's (`tasks.entropy_collapse`): a prompt is two digits (a, b) from 0-5, an answer 3
+The world is the digit world (`tasks.worlds.digits`): a prompt is two digits (a, b) from 0-5, an answer 3
 digits (216 answers, all enumerable), the policy the same tiny GPT-2 warm start (trained on the old rule: avoid a
 and b) and the same GRPO (k3 KL to the warm start at beta 0.1, clip 0.2, 8 prompts x groups of 8, Adam 2e-3, 2
 epochs per batch). Before onset (iteration 1 at the quick tier) the gold rule is the old one; from onset, in both
-branches, a correct answer must also avoid 5 (`correct_new`; the warm start's held-out accuracy under it 0.33).
+branches, a correct answer must also avoid 5 (`correct_new`).
 
 The reward model. Every iteration a labeler grades RM_LABELS = 16 of the batch's 64 answers by the gold rule; the
 RM is a ridge regression (penalty 1e-2, closed form, refitted every iteration) on the latest RM_REPLAY = 128
@@ -24,86 +24,50 @@ group). What it reads (`FEATURE_SOURCES`), the only difference between the branc
   task says it can with `provides = {"rm_features"}`, so the stabilizer acts on no other task).
 
 Return (the true one): the learner's exact expected gold reward on the 8 held-out prompts under the new rule,
-sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`), every iteration.
-- `return_floor` = 0.3187: the post-onset return of `frozen-at-onset`, mean of seeds 0-9 (per seed 0.27-0.37).
-- `return_ceiling` = 0.6982: the control's (baseline method) post-onset return, mean of seeds 0-9 (0.64-0.77).
-Ground truth: `heldout_accuracy`, its mean over the last 25% of the run, below 0.5 (the warm start 0.33, the
-frozen policies at most 0.39).
+sum_a pi(a) correct_new(a), by enumeration (`heldout_accuracy`), every iteration. Ground truth:
+`heldout_accuracy`, its mean over the last 25% of the run, below 0.5 (above the warm start and the frozen
+policies).
 
-Mechanism, as measured. (1) Aliasing: over all 216 answers of the 28 training prompts, a linear fit on the warm
-3-dimensional features predicts "holds a 5" no better than its base rate (0.58 against 0.58; 0.56-0.62 with 2-8
-principal directions), on the 96 unprojected numbers 0.98: answers with and without a 5 share their features,
-and the new rule's label (0.78 = base rate with any projection) is not linearly readable from them.
-(2) The RM on current samples (tail means, seeds 0-9): the baseline's RM, judged on each iteration's new labels
-before it is refitted on them (`rm_accuracy`), is right on 0.77 of them, the control's on 0.85, the fix's on
-0.87; within a group, of the pairs of answers with different gold it orders 0.56 as the gold does
-(`rm_pair_accuracy`, 0.5 is chance; control 0.74, fix 0.74), so GRPO's advantages carry almost nothing of the
-new rule; its mean |RM - gold| on the batch is 0.32 (control 0.20, fix 0.18), and it cannot fit even its own
-128 labels: `rm_fit_error` (mean squared residual on its replay) 0.15 against 0.05 and 0.04. The policy follows
-the RM's errors: its tail held-out accuracy (0.06-0.50) ends mostly below the warm start's 0.33.
-(3) Ablations (prototype /work/notes/i16/rmd/proto.py, 80 iterations, 10 seeds 0-9, the same world; onset 3;
-failures = tail accuracy below 0.5): warm projection 10/10 fail (0.08-0.36); the snapshot's full hidden states
-0/10 (0.64-0.75); the LIVE policy's hidden states projected on 3 principal directions refitted every iteration on
-the RM's own replay 6/10 (0.17-0.80); the same with the warm features beside them 5/10; the live policy's full
-hidden states alone 0/10 (0.74-0.84); the warm features beside the live policy's full hidden states (the fix)
-0/10 (0.68-0.76); the warm features beside the FROZEN snapshot's full hidden states 0/10 (0.70-0.88). So what
-fails is the projection fitted on the warm start's writing, and what the fix restores is the features it threw
-away; that the policy's hidden states are live is not needed at this scale (a frozen snapshot's unprojected
-states work as well). With 4 principal directions the warm projection failed 6/6 on seeds 0-5 at 50
-iterations and 7/10 (seed-dependent) in an early version of this module; with 6 or 8 it learned (0/6 fail):
-RM_DIM = 3 is where the aliasing is complete.
-The control is the snapshot's unprojected states rather than a refreshed projection: a snapshot of the policy
-refreshed every 5 iterations with its projection refitted on the current batch (the "only staleness" control)
-failed 0/10 at 80 iterations in the prototype but 4/10 in the module's first version (projection refitted on the
-replay: 4/10 too), too noisy for a control; the live policy refreshed every iteration is the fix bit for bit.
+Mechanism. (1) Aliasing: over all answers of the training prompts, a linear fit on the warm 3-dimensional
+features predicts "holds a 5" no better than its base rate (with 2-8 principal directions alike), on the 96
+unprojected numbers almost perfectly: answers with and without a 5 share their features, and the new rule's
+label is not linearly readable from them. (2) The RM on current samples: within a group it orders the pairs of
+answers with different gold barely better than chance (`rm_pair_accuracy`), so GRPO's advantages carry almost
+nothing of the new rule, and it cannot fit even its own replayed labels (`rm_fit_error`); the policy follows the
+RM's errors. (3) Ablations (prototype, the same world, 80 iterations, seeds 0-9, onset 3): what fails is the
+projection fitted on the warm start's writing, and what the fix restores is the features it threw away; that
+the policy's hidden states are live is not needed at this scale (a frozen snapshot's unprojected states work as
+well, and the live policy's states projected on refitted principal directions fail about half the seeds). The
+control is the snapshot's unprojected states rather than a refreshed projection: a snapshot refreshed every 5
+iterations with its projection refitted was too noisy for a control, and the live policy refreshed every
+iteration is the fix bit for bit.
 
-Settings and where chosen (prototype on seeds 0-5 and 0-9, then the module on seeds 0-9): RM_DIM 3 (above),
-16 labels per iteration (32 did not change the picture), 128 replayed, 80 iterations (50 left the learners at
-0.55-0.75), onset 1 (at onset 3 the frozen-at-onset policies spread 0.23-0.43 and normalized to 0.14 on seeds
-100-109). Nothing was tuned on seeds 100-109 except the detector's threshold.
+Settings and where chosen (prototype on seeds 0-5 and 0-9, then the module on seeds 0-9): RM_DIM 3 (with 4
+principal directions the warm projection failed on some seeds only, with 6 or 8 it learned: 3 is where the
+aliasing is complete), 16 labels per iteration (32 did not change the picture), 128 replayed, 80 iterations (at 50
+the learners were still learning), onset 1 (at onset 3 the frozen-at-onset policies spread too
+wide to anchor the normalized return). Nothing was tuned on seeds 100-109 except the detector's threshold. The
+full tier (160 iterations, onset 1) was not calibrated. Non-fixes: `kl-anchor` and `entropy-bonus` do not touch
+the RM.
 
-Numbers (quick tier, 80 iterations, onset 1; normalized return with its 95% bootstrap interval):
-  seeds 0-9                  failed  control failed  normalized return     tail accuracy (per seed)
-    baseline                  9/10   0/10            -0.19 [-0.31, -0.04]  0.06-0.50 (control 0.66-0.85; 1.00)
-    r2m-features (fix)        0/10   0/10            1.05 [0.99, 1.10]     0.67-0.84
-    entropy-bonus             9/10   0/10            -0.15 [-0.27, -0.01]  0.17-0.56
-    kl-anchor                10/10   0/10            -0.26 [-0.36, -0.13]  0.15-0.39 (its control 0.70)
-    frozen-at-onset          10/10   10/10           0.00 [-0.04, 0.04]    0.27-0.37
-    no-update                10/10   10/10           0.02                  0.33
-  seeds 100-109 (fresh)
-    baseline                 10/10   0/10            -0.10 [-0.17, -0.01]  0.13-0.46 (control 0.60-0.86; 1.00)
-    r2m-features (fix)        0/10   0/10            1.07 [1.01, 1.14]     0.67-0.88
-    frozen-at-onset          10/10   10/10           0.05 [-0.01, 0.10]    0.28-0.39
-    no-update                10/10   10/10           0.02                  0.33
-The fix scores above 1: its RM reads more than the control's (the warm features and the live states), and it
-learns a little faster than the control.
-Non-fixes: `kl-anchor` (0.3 k3 to the warm start) and `entropy-bonus` do not touch the RM and fail like the
-baseline. A quick-tier trial (healthy phase and both branches) takes 5.5 s (median; 3.4-13 s with the machine
-shared by other jobs) on one core. The full tier (160 iterations, onset 1) was not measured.
-
-Detector: `rm_fit_error` (the RM's mean squared residual on its own 128 labels, visible to whoever
-trains it) above 0.13, chosen on seeds 100-109 only: there every baseline control stays at or below 0.12 after
-onset and every injected run passes 0.20 (score 100 [100, 100]; 0.12: 88, 0.14: 99.9, 0.10: 72). Replayed on
-seeds 0-9 it scores 91 [83, 100] (every control stays at or below 0.129; its 4% false alarms are injected runs
-that learned anyway). It alarms at onset: it sees features that cannot fit the labels (the aliasing), not a
-learner that stopped. The diagnostic the source names, the RM's accuracy on current samples (`rm_accuracy`,
-smoothed over 5 iterations as `rm_accuracy_recent`), scores at most 12 on seeds 100-109 (thresholds
-0.55-0.75): every RM, the controls' included, is wrong on the new labels for several iterations after the rule
-change (its replay still holds old labels), and the tail gap (0.77 against 0.85) is within the noise of 80
-labels.
+Detector: `rm_fit_error` (the RM's mean squared residual on its own 128 labels, visible to whoever trains it)
+above 0.13, chosen on seeds 100-109 only. It alarms at onset: it sees features that cannot fit the labels (the
+aliasing), not a learner that stopped. The diagnostic the source names, the RM's accuracy on current samples
+(`rm_accuracy`, smoothed over 5 iterations as `rm_accuracy_recent`), is a poor detector here: every RM, the
+controls' included, is wrong on the new labels for several iterations after the rule change (its replay still
+holds old labels).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from stabench.baselines.grpo import GRPO
 from stabench.baselines.tokens import sample_answers
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
-from stabench.tasks.entropy_collapse import (
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
     GRPO_CONFIG,
     N_ACTIONS,
@@ -113,8 +77,12 @@ from stabench.tasks.entropy_collapse import (
     heldout_stats,
     warm_policy,
 )
-from stabench.tasks.tokens import PromptedAnswerEnv
+from stabench.tasks.worlds.scaffold import GRPORun, Trailing
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn
 from torch import nn
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # --- The reward model. -------------------------------------------------------------------------------------
 RM_DIM = 3  # the RM reads a RM_DIM-dimensional projection (principal directions) of the answer's hidden states
@@ -186,14 +154,13 @@ class Features:
         return with_constant((hidden_states(self.snapshot, prompts, answers) - mean) @ v)
 
 
-class RewardModelDriftRun:
-    """One seed: the trainer, the RM's replay and snapshot, and the Generators live here (deepcopy branches)."""
+class RewardModelDriftRun(GRPORun):
+    """One seed of GRPO on the digit world; the RM's replay and snapshot and the label Generator live here too,
+    so `copy.deepcopy` branches everything."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...]) -> None:
-        self.budget, self.diagnostics = budget, diagnostics
-        reference = warm_policy().eval().requires_grad_(False)
-        self.trainer = GRPO(warm_policy().train(), reference, correct, replace(GRPO_CONFIG, seed=seed), stabilizer)
-        self.prompt_rng = np.random.default_rng([seed, 1])
+        super().__init__(budget, seed, stabilizer, diagnostics, warm=warm_policy, config=GRPO_CONFIG,
+                         default_reward=correct, prompts=TRAIN_PROMPTS)  # fmt: skip
         self.label_rng = np.random.default_rng([seed, 2])
         snapshot = warm_policy().eval().requires_grad_(False)
         which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=WARM_SAMPLES // GRPO_CONFIG.group_size)
@@ -204,7 +171,7 @@ class RewardModelDriftRun:
         self.replay_answers = torch.zeros(0, ANSWER_LEN, dtype=torch.long)
         self.replay_labels = torch.zeros(0, dtype=torch.float64)
         self.info: dict[str, float] = {}
-        self.accuracies: list[float] = []
+        self.accuracies = Trailing(RECENT)
 
     def source(self, injected: bool) -> str:
         if getattr(self.trainer.policy, "rm_features", None) == "policy":
@@ -222,8 +189,10 @@ class RewardModelDriftRun:
         return lambda p, a: torch.cat([warm(p, a)[:, :-1],
                                        with_constant(hidden_states(policy, p, a))], 1)  # fmt: skip
 
-    def reward_fn(self, injected: bool):
-        rule = correct if self.trainer.iteration < self.budget.onset else correct_new
+    def reward(self, injected: bool, after_onset: bool) -> RewardFn:
+        """The RM's prediction, refitted on this iteration's labels; what it measures goes to `self.info`."""
+        self.info = {"rm_accuracy": float("nan")}
+        rule = correct_new if after_onset else correct
         source = self.source(injected)
 
         def reward(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -253,15 +222,11 @@ class RewardModelDriftRun:
 
         return reward
 
-    def step(self, injected: bool) -> dict[str, float]:
-        self.info = {"rm_accuracy": float("nan")}
-        which = self.prompt_rng.integers(len(TRAIN_PROMPTS), size=self.trainer.config.n_groups)
-        state = self.trainer.iterate(self.reward_fn(injected), TRAIN_PROMPTS[which])
+    def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         stats = heldout_stats(self.trainer.policy)
         if np.isfinite(self.info["rm_accuracy"]):
-            self.accuracies.append(self.info["rm_accuracy"])
-        recent = self.accuracies[-RECENT:]
-        row: dict[str, float] = {
+            self.accuracies.push(self.info["rm_accuracy"])
+        return {
             "step": float(self.trainer.tokens),
             "return": stats["heldout_accuracy"],
             "heldout_accuracy": stats["heldout_accuracy"],
@@ -269,11 +234,19 @@ class RewardModelDriftRun:
             "entropy": state.extras["entropy"],
             "reward": float(state.batch["rewards"].mean()),
             **self.info,
-            "rm_accuracy_recent": float(np.mean(recent)) if recent else float("nan"),
+            "rm_accuracy_recent": self.accuracies.mean() if self.accuracies.values else float("nan"),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+
+
+# --- The figure. -------------------------------------------------------------------------------------------
+def draw_reward_model(table: pd.DataFrame, out: Path) -> list[Path]:
+    """Held-out accuracy beside how well the reward model orders and fits the current samples."""
+    from stabench.suite import figures
+
+    panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
+              ("rm_pair_accuracy", "RM orders within-group pairs as gold does"),
+              ("rm_fit_error", "RM residual on its own labels")]  # fmt: skip
+    return figures.fix_against_baseline(table, "reward-model-drift", panels, out, "20_reward_model_drift")
 
 
 class RewardModelDrift(Task):
@@ -301,6 +274,25 @@ class RewardModelDrift(Task):
                   "batch_gold")  # fmt: skip
     return_floor = 0.3187  # frozen-at-onset: its post-onset return (held-out accuracy), mean of seeds 0-9
     return_ceiling = 0.6982  # the control (baseline method): its post-onset return, mean of seeds 0-9
+    environments = {"stabench/RewardModelDrift-v0": "RewardModelDriftEnv"}
+    figures = (
+        Figure(
+            "20_reward_model_drift",
+            "a reward model on stale features",
+            "reward-model-drift: exact held-out accuracy, how often the reward model orders within-group pairs as "
+            "the gold reward does, and its residual on its own labels, baseline and R2M features, injected and "
+            "control.",
+            draw_reward_model,
+        ),
+    )
+    paper = """On reward-model-drift the policy is paid by a reward model that keeps training, refitted every
+iteration on 16 gold labels of the policy's own answers, but reading three principal directions of the warm
+start's hidden states, fitted on what the warm start wrote. After the rule change those directions cannot tell
+answers with a 5 from answers without one (a linear fit on them predicts it at its base rate, on the unprojected
+states at 0.98): the reward model orders within-group pairs only slightly better than chance (0.56, the
+control's 0.74), and the policy follows its errors (9 of 10 seeds fail). Letting the reward model also read the
+live policy's hidden states (R2M) fails no seed; a frozen snapshot's unprojected states do as well, so what this
+task measures is features that stop describing what matters, not the drift of the policy as such."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RewardModelDriftRun:
         return RewardModelDriftRun(self.budget(tier), seed, stabilizer, self.diagnostics)

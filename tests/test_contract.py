@@ -2,6 +2,10 @@
 
 - every trainer hands its `loss` hook the batch keys `suite.api.TRAINER_KEYS` promises, with `logp` and
   `entropy` carrying the graph in the policy-gradient trainers;
+- `rollout` is a declared, guarded hook: the trainers of `ROLLOUT_TRAINERS` call it once per iteration and use
+  what it returns, the others never (and a stabilizer that overrides it applies only where it is called);
+- every trainer reports the loss schema: exactly the keys `TRAINER_LOSSES` names, each the mean over the
+  iteration's updates, and the last update's terms as `extras["loss_terms"]`;
 - a gradient set to None in `after_backward` means "no update" in every trainer, and the diagnostics still
   see the raw gradients;
 - `applies_to` follows `needs`; the method matrix plans a trial or an identity for every (task, method);
@@ -16,6 +20,7 @@ import copy
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -29,7 +34,16 @@ import torch
 from conftest import TOY
 from scipy import stats
 from stabench.suite import registry, runner, scoring
-from stabench.suite.api import TRAINER_KEYS, StabenchError, Stabilizer, provided_keys
+from stabench.suite.api import (
+    LOSS_SCHEMA,
+    ROLLOUT_TRAINERS,
+    TRAINER_KEYS,
+    TRAINER_LOSSES,
+    StabenchError,
+    Stabilizer,
+    provided_keys,
+)
+from stabench.suite.registry import Guarded, PluginError
 from stabench.suite.runner import ExperimentSpec
 from stabench.suite.trial import TrialSpec, run_trial
 
@@ -37,6 +51,7 @@ pytestmark = pytest.mark.smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = f"{Path(__file__).parent / 'plugins' / 'contract.py'}:RecordAndSkip"
+HOOKS = f"{Path(__file__).parent / 'plugins' / 'hooks.py'}:RecordHooks"
 SPIKE_SKIP = f"{ROOT / 'examples' / 'my_stabilizer.py'}:SpikeSkip"
 # one real task per trainer, at the smoke tier
 TASK_OF_TRAINER = {
@@ -55,16 +70,12 @@ def policy_of(trainer) -> torch.nn.Module:
     return trainer.policy if hasattr(trainer, "policy") else trainer.model
 
 
-@functools.cache
-def contract_run(trainer_name: str) -> dict:
-    """One smoke-tier run of the trainer's task under `RecordAndSkip`, stepped `ITERATIONS` healthy iterations.
-
-    Returns the stabilizer's records, the TrainStates the trainer returned, and the policy's parameters after
-    each iteration (and at build)."""
+def recorded_run(trainer_name: str, plugin: str) -> tuple:
+    """The trainer's task built on the smoke tier under `plugin`, its trainer's `iterate` recording the
+    TrainStates it returns (what the task's diagnostics read): (task, guarded stabilizer, run, states)."""
     task = registry.get_task(TASK_OF_TRAINER[trainer_name])
-    assert task.trainer == trainer_name
     torch.manual_seed(0)
-    stabilizer = registry.make_stabilizer(CONTRACT)
+    stabilizer = registry.make_stabilizer(plugin)
     run = task.build("smoke", 0, stabilizer)
     states = []
     iterate = run.trainer.iterate
@@ -74,7 +85,18 @@ def contract_run(trainer_name: str) -> dict:
         states.append(state)
         return state
 
-    run.trainer.iterate = recording_iterate  # the TrainState the task's diagnostics read
+    run.trainer.iterate = recording_iterate
+    return task, stabilizer, run, states
+
+
+@functools.cache
+def contract_run(trainer_name: str) -> dict:
+    """One smoke-tier run of the trainer's task under `RecordAndSkip`, stepped `ITERATIONS` healthy iterations.
+
+    Returns the stabilizer's records, the TrainStates the trainer returned, and the policy's parameters after
+    each iteration (and at build)."""
+    task, stabilizer, run, states = recorded_run(trainer_name, CONTRACT)
+    assert task.trainer == trainer_name
     snapshot = lambda: copy.deepcopy(policy_of(run.trainer).state_dict())  # noqa: E731
     params = [snapshot()]
     calls = []
@@ -122,6 +144,112 @@ def test_diagnostics_see_the_raw_gradients(trainer_name: str) -> None:
     assert set(state.grads) <= names
     assert all(p.grad is None for p in result["policy"].parameters())  # the hook's edit did take effect
     assert result["stabilizer"].nonzero_grads_seen > 0
+
+
+# ---- the rollout hook and the loss report ---------------------------------------------------------------------
+@functools.cache
+def hooks_run(trainer_name: str) -> dict:
+    """One smoke-tier run of the trainer's task under `RecordHooks`, stepped `ITERATIONS` healthy iterations: the
+    hook's records, the TrainStates, and how many `loss` calls each iteration made."""
+    task, stabilizer, run, states = recorded_run(trainer_name, HOOKS)
+    updates = []
+    for _ in range(ITERATIONS):
+        before = len(stabilizer.inner.loss_terms)
+        run.step(False)
+        updates.append(stabilizer.inner.loss_terms[before:])
+    return {"task": task, "stabilizer": stabilizer, "states": states, "updates": updates}
+
+
+@pytest.mark.parametrize("trainer_name", list(TASK_OF_TRAINER))
+def test_the_rollout_hook_is_called_once_per_iteration_where_declared_and_its_batch_is_used(trainer_name: str):
+    result = hooks_run(trainer_name)
+    hooks, task = result["stabilizer"], result["task"]
+    calls = hooks.inner.rollout_calls
+    if trainer_name not in ROLLOUT_TRAINERS:
+        assert calls == [], f"{trainer_name} calls `rollout` but is not in ROLLOUT_TRAINERS"
+        assert not hooks.applies_to(task)  # a stabilizer whose rollout would never run does not apply there
+        return
+    assert len(calls) == ITERATIONS and hooks.applies_to(task)
+    for call in calls:
+        assert {"advantages", "returns", "values", "rewards", "dones", "obs", "actions"} <= call["keys"]
+        assert call["info"] == {"num_steps", "num_envs", "gamma", "gae_lambda", "next_value", "next_done"}
+    for state in result["states"]:  # the batch the trainer went on with is the one the hook returned
+        assert torch.equal(state.batch["advantages"], torch.full((calls[0]["rows"],), 0.25))
+
+
+def test_every_builtin_rollout_hook_is_on_a_trainer_that_calls_it():
+    tasks = all_tasks()
+    for name in registry.BUILTIN_STABILIZERS:
+        cls = registry.resolve_class("stabilizer", name)
+        if cls.rollout is not Stabilizer.rollout:
+            assert {t.trainer for t in tasks if cls().applies_to(t)} <= ROLLOUT_TRAINERS, name
+
+
+class _Rollout(Stabilizer):
+    name = "bad-rollout"
+
+    def __init__(self, rewrite) -> None:
+        self.rewrite = rewrite
+
+    def rollout(self, batch, info):
+        return self.rewrite(batch)
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "message"),
+    [
+        (lambda b: [b["advantages"]], "bad-rollout.rollout returned list, expected a dict of tensors"),
+        (lambda b: {"advantages": b["advantages"]}, "bad-rollout.rollout dropped the batch keys returns"),
+        (lambda b: {**b, "returns": b["returns"][:2]}, "bad-rollout.rollout['returns'] returned shape (2,)"),
+        (lambda b: {**b, "advantages": b["advantages"] / 0}, "bad-rollout.rollout['advantages'] produced non-finite"),
+        (lambda b: 1 / 0, "bad-rollout.rollout raised ZeroDivisionError"),
+    ],
+)
+def test_the_guard_checks_what_rollout_returns(rewrite, message):
+    batch = {"advantages": torch.tensor([1.0, -1.0, 0.5]), "returns": torch.tensor([0.0, 1.0, 2.0])}
+    with pytest.raises(PluginError, match=re.escape(message)):
+        Guarded(_Rollout(rewrite)).rollout(batch, {})
+    assert Guarded(_Rollout(lambda b: b)).rollout(batch, {}).keys() == batch.keys()
+
+
+def test_the_loss_schema_names_every_trainers_keys():
+    assert set(TRAINER_LOSSES) == set(TRAINER_KEYS)
+    for trainer, keys in TRAINER_LOSSES.items():
+        assert keys <= set(LOSS_SCHEMA), trainer
+    shared = set.intersection(*(set(TRAINER_LOSSES[t]) for t in POLICY_GRADIENT))
+    assert {"loss", "policy_loss", "entropy_loss", "approx_kl", "clip_frac", "ratio_p99", "ratio_max",
+            "entropy"} <= shared
+
+
+# the pre-hook term behind each reported loss, and its coefficient in the terms (1: the term is the loss itself)
+TERM_OF_LOSS = {
+    "ppo": {"policy_loss": ("policy", 1.0), "value_loss": ("value", 0.5)},
+    "grpo": {"policy_loss": ("policy", 1.0)},
+    "token-ppo": {"policy_loss": ("policy", 1.0)},
+    "tool-ppo": {"policy_loss": ("policy", 1.0)},
+    "dqn": {"td_loss": ("td", 1.0)},
+}
+
+
+@pytest.mark.parametrize("trainer_name", list(TASK_OF_TRAINER))
+def test_every_trainer_reports_the_loss_schema_as_means_over_its_updates(trainer_name: str):
+    result = hooks_run(trainer_name)
+    assert len(result["states"]) == ITERATIONS
+    for state, updates in zip(result["states"], result["updates"]):
+        assert set(state.losses) == TRAINER_LOSSES[trainer_name], sorted(state.losses)
+        assert all(isinstance(v, float) for v in state.losses.values())
+        if not updates:  # DQN's first iteration only fills its replay buffer
+            assert math.isnan(state.losses["loss"]) and state.extras["loss_terms"] == {}
+            continue
+        assert state.extras["loss_terms"] == updates[-1]  # the last update's terms, as the hook returned them
+        totals = [sum(terms.values()) for terms in updates]
+        assert state.losses["loss"] == pytest.approx(np.mean(totals), rel=1e-5, abs=1e-7)
+        for key, (term, coef) in TERM_OF_LOSS[trainer_name].items():
+            mean = np.mean([terms[term] for terms in updates]) / coef
+            assert state.losses[key] == pytest.approx(mean, rel=1e-5, abs=1e-7), key
+        if "ratio_p99" in state.losses:
+            assert 0.0 <= state.losses["clip_frac"] <= 1.0
+            assert state.losses["ratio_p99"] <= state.losses["ratio_max"] + 1e-6
 
 
 # ---- where a stabilizer applies -------------------------------------------------------------------------------
@@ -228,7 +356,7 @@ def test_collect_copies_the_baselines_rows_for_an_identity(tmp_path: Path) -> No
 
 
 # ---- scoring over the common task set -------------------------------------------------------------------------
-def test_aggregate_ranks_over_the_common_tasks_and_lists_where_a_method_acts() -> None:
+def test_across_tasks_ranks_over_the_common_tasks_and_lists_where_a_method_acts() -> None:
     rng = np.random.default_rng(0)
     rows = []
 
@@ -245,7 +373,7 @@ def test_aggregate_ranks_over_the_common_tasks_and_lists_where_a_method_acts() -
     add("c", "full", False, base["c"])  # does not act on c: the baseline's runs, copied
     per_run = pd.DataFrame(rows)
     assert scoring.common_tasks(per_run) == ["a", "b", "c"]
-    agg = {r["method"]: r for r in scoring.aggregate(per_run)}
+    agg = {r["method"]: r for r in scoring.across_tasks(per_run)}
     full, partial = agg["full"], agg["partial"]
     assert full["ranked"] and full["n_tasks"] == 3 and full["acts_on"] == ["a", "b"]
     assert not partial["ranked"] and partial["n_tasks"] == 2 and partial["acts_on"] == ["a", "b"]
@@ -276,7 +404,7 @@ def test_one_installed_package_with_lazily_registered_environments(tmp_path: Pat
         "import importlib.util, sys\n"
         "import gymnasium as gym\n"
         "import stabench\n"
-        "assert 'stabench.tasks.grids' not in sys.modules, 'a task module was imported eagerly'\n"
+        "assert 'stabench.tasks.worlds.grids' not in sys.modules, 'a task module was imported eagerly'\n"
         "env = gym.make('stabench/EmptyFlat-5x5-v0')\n"
         "obs, _ = env.reset(seed=0)\n"
         "assert obs.shape == (147,), obs.shape\n"
@@ -291,23 +419,20 @@ def test_one_installed_package_with_lazily_registered_environments(tmp_path: Pat
     assert proc.stdout.strip() == "ok 0.3.0"
 
 
-def test_environment_table_matches_the_task_modules() -> None:
+def test_the_grid_tasks_declare_the_environments_their_runs_build() -> None:
+    """`environments` is a literal read from the source: it must agree with the constants the runs use."""
     import gymnasium as gym
-    import stabench.tasks
     from stabench.tasks import policy_churn, representation_collapse
 
-    envs = stabench.tasks.ENVIRONMENTS
-    churn = envs[policy_churn.ENV_ID][1]
-    assert churn == {"size": policy_churn.SIZE, "max_steps": policy_churn.MAX_STEPS}
-    assert policy_churn.ENV_ID == f"stabench/EmptyRandomFlat-{policy_churn.SIZE}x{policy_churn.SIZE}-v0"
-    two_goals = envs[representation_collapse.ENV_ID][1]
-    assert two_goals == {"size": representation_collapse.SIZE, "max_steps": representation_collapse.MAX_STEPS}
-    assert set(stabench.tasks.WORLDS) <= set(envs) and len(stabench.tasks.WORLDS) == 2
-    for env_id, (entry_point, kwargs) in envs.items():
-        spec = gym.spec(env_id)
-        assert spec.entry_point == entry_point and spec.kwargs == kwargs
-        env = gym.make(env_id)
-        env.reset(seed=0)
+    for module, task_id in ((policy_churn, "policy-churn"), (representation_collapse, "representation-collapse")):
+        declared = registry.resolve_class("task", task_id).environments
+        entry, kwargs = declared[module.ENV_ID]
+        assert kwargs == {"size": module.SIZE, "max_steps": module.MAX_STEPS}, task_id
+        spec = gym.spec(module.ENV_ID)
+        assert spec.entry_point == f"{module.__name__}:{entry}" and spec.kwargs == kwargs
+        env = gym.make(module.ENV_ID)
+        obs, _ = env.reset(seed=0)
+        assert obs.shape == (module.OBS_DIM,)
         env.close()
 
 

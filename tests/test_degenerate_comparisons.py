@@ -16,6 +16,7 @@ from stabench.baselines.stabilizers.aggregation import VarianceFilter
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.suite.diagnostics import group_signal, live_groups
 from stabench.tasks import degenerate_comparisons as dc
+from stabench.tasks.worlds import digits as dg
 
 pytestmark = pytest.mark.smoke
 
@@ -24,14 +25,13 @@ def test_injected_batches_hold_one_live_group_and_constant_grades() -> None:
     grades = dc.degenerate_grades(8)
     assert grades == ["live"] + ["solved"] * 4 + ["unsolvable"] * 3
     reward = dc.graded_reward(grades, group_size=2)
-    prompts = torch.tensor([[dc.N_ACTIONS, 1, 4]]).expand(16, -1)
+    prompts = torch.tensor([[dg.N_ACTIONS, 1, 4]]).expand(16, -1)
     good, bad = [0, 2, 3], [5, 5, 5]
     answers = torch.tensor([good, bad] * 8)
     paid = reward(prompts, answers).view(8, 2).tolist()
     assert paid == [[1.0, 0.0]] + [[1.0, 1.0]] * 4 + [[0.0, 0.0]] * 3
-    assert live_groups(torch.tensor(sum(paid, [])), torch.arange(8).repeat_interleave(2)).tolist() == [True] + [
-        False
-    ] * 7
+    live = live_groups(torch.tensor(sum(paid, [])), torch.arange(8).repeat_interleave(2))
+    assert live.tolist() == [True] + [False] * 7
 
 
 def test_group_signal_counts_silent_groups_and_the_answers_left() -> None:
@@ -80,7 +80,7 @@ def test_environment_passes_check_env_and_pays_by_grade() -> None:
     for grade in dc.GRADES:
         env = dc.DegenerateComparisonsEnv(grade=grade)
         env.reset(seed=0)
-        env.prompt = torch.tensor([[dc.N_ACTIONS, 1, 4]])
+        env.prompt = torch.tensor([[dg.N_ACTIONS, 1, 4]])
         paid[grade] = [env.step(x)[1] for x in (0, 2, 3)][-1]  # a correct answer
     assert paid == {"live": 1.0, "solved": 1.0, "unsolvable": 0.0}
     with pytest.raises(ValueError, match="grade must be one of"):
@@ -88,7 +88,7 @@ def test_environment_passes_check_env_and_pays_by_grade() -> None:
 
 
 def test_a_learner_that_does_not_learn_fails_the_ground_truth() -> None:
-    assert dc.heldout_accuracy(dc.warm_policy()) < dc.ACCURACY_FLOOR
+    assert dg.heldout_accuracy(dg.warm_policy()) < dc.ACCURACY_FLOOR
 
 
 def test_branches_differ_in_the_silent_groups() -> None:

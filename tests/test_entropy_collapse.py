@@ -18,6 +18,8 @@ from stabench.baselines.stabilizers.entropy import EntropyBonus, EntropyBonusLow
 from stabench.baselines.stabilizers.kl import KLAnchor
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.tasks import entropy_collapse as ec
+from stabench.tasks.worlds import digits as dg
+from stabench.tasks.worlds.tokens import answer_logits, tiny_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -26,32 +28,32 @@ X, Y = [0, 1, 2], [3, 4, 0]  # two answers
 
 def _group(*answers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.tensor(answers)
-    return torch.tensor([[ec.BOS, 5, 5]]).expand(len(a), -1), a
+    return torch.tensor([[dg.BOS, 5, 5]]).expand(len(a), -1), a
 
 
 def test_correct_avoids_both_prompt_digits_and_the_new_rule_also_bans_five() -> None:
-    prompts = torch.tensor([[ec.BOS, 1, 4]] * 5)
+    prompts = torch.tensor([[dg.BOS, 1, 4]] * 5)
     answers = torch.tensor([[0, 2, 3], [0, 1, 3], [4, 2, 3], [5, 5, 5], [0, 5, 2]])
-    assert ec.correct(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
-    assert ec.correct_new(prompts, answers).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert dg.correct(prompts, answers).tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert dg.correct_new(prompts, answers).tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     # no held-out prompt holds a 5, so the new rule leaves 3 (a != b) or 4 (a = b) digits per position
-    n_good = ec.HELDOUT_CORRECT.sum(-1).tolist()
-    pairs = ec.HELDOUT_PROMPTS[:, 1:].tolist()
-    assert sorted(map(tuple, pairs)) == sorted(ec.HELDOUT_PAIRS)
+    n_good = dg.HELDOUT_CORRECT.sum(-1).tolist()
+    pairs = dg.HELDOUT_PROMPTS[:, 1:].tolist()
+    assert sorted(map(tuple, pairs)) == sorted(dg.HELDOUT_PAIRS)
     assert n_good == [64.0 if a == b else 27.0 for a, b in pairs]
-    assert ec.HELDOUT_OLD.sum(-1).tolist() == [125.0 if a == b else 64.0 for a, b in pairs]
+    assert dg.HELDOUT_OLD.sum(-1).tolist() == [125.0 if a == b else 64.0 for a, b in pairs]
 
 
 def test_gold_and_vote_pays_the_verifier_on_the_first_groups_and_the_vote_on_the_rest() -> None:
-    g = ec.GROUP_SIZE
+    g = dg.GROUP_SIZE
     wrong_mode = [[5, 5, 5]] * 5 + [[0, 2, 3], [2, 0, 3], [3, 2, 0]]  # the mode is wrong under the new rule
-    answers = torch.tensor(wrong_mode * ec.GRPO_CONFIG.n_groups)
-    prompts = torch.tensor([[ec.BOS, 1, 4]]).expand(len(answers), -1)
+    answers = torch.tensor(wrong_mode * dg.GRPO_CONFIG.n_groups)
+    prompts = torch.tensor([[dg.BOS, 1, 4]]).expand(len(answers), -1)
     paid = ec.gold_and_vote(prompts, answers).view(-1, g)
     gold = [0.0] * 5 + [1.0] * 3
     vote = [1.0] * 5 + [0.0] * 3
-    assert paid.tolist() == [gold] * ec.N_GOLD_GROUPS + [vote] * (ec.GRPO_CONFIG.n_groups - ec.N_GOLD_GROUPS)
-    assert 0 < ec.N_GOLD_GROUPS < ec.GRPO_CONFIG.n_groups
+    assert paid.tolist() == [gold] * ec.N_GOLD_GROUPS + [vote] * (dg.GRPO_CONFIG.n_groups - ec.N_GOLD_GROUPS)
+    assert 0 < ec.N_GOLD_GROUPS < dg.GRPO_CONFIG.n_groups
 
 
 def test_majority_vote_rewards_the_group_mode_only() -> None:
@@ -62,7 +64,7 @@ def test_majority_vote_rewards_the_group_mode_only() -> None:
     tie = [X, X, Y, Y, [0, 0, 0], [1, 1, 1], [2, 2, 2], [3, 3, 3]]
     assert ec.majority_vote(*_group(*tie)).tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
     two_groups = torch.cat([_group(*group)[1], _group(*distinct)[1]])
-    prompts = torch.tensor([[ec.BOS, 5, 5]]).expand(16, -1)
+    prompts = torch.tensor([[dg.BOS, 5, 5]]).expand(16, -1)
     assert ec.majority_vote(prompts, two_groups).tolist() == [1, 1, 1, 0, 0, 0, 0, 0] + [0] * 8
 
 
@@ -71,7 +73,7 @@ def test_env_passes_check_env_and_pays_the_trainers_rewards(injected: bool, afte
     env = gym.make("stabench/EntropyCollapse-v0", injected=injected, after_onset=after_onset)
     check_env(env.unwrapped, skip_render_check=True)
     obs, _ = env.reset(seed=3)
-    prompt = torch.tensor([[ec.BOS, *obs[:2].tolist()]])
+    prompt = torch.tensor([[dg.BOS, *obs[:2].tolist()]])
     group = [X, X, X, Y, Y, [0, 0, 0], [1, 1, 1], [5, 5, 5]]
     rewards = [env.step(t)[1] for answer in group for t in answer]
     answers = torch.tensor(group)
@@ -79,7 +81,7 @@ def test_env_passes_check_env_and_pays_the_trainers_rewards(injected: bool, afte
         assert rewards[:-1] == [0.0] * 23
         assert rewards[-1] == float(ec.majority_vote(prompt.expand(8, -1), answers).sum()) == 3.0
     else:
-        rule = ec.correct_new if after_onset else ec.correct
+        rule = dg.correct_new if after_onset else dg.correct
         paid = [rewards[i] for i in range(2, 24, 3)]
         assert paid == rule(prompt.expand(8, -1), answers).tolist()
         assert sum(rewards) == sum(paid)
@@ -87,33 +89,33 @@ def test_env_passes_check_env_and_pays_the_trainers_rewards(injected: bool, afte
 
 def test_heldout_evaluation_is_exact_and_the_optimum_is_uniform_over_the_correct_answers() -> None:
     torch.manual_seed(0)
-    model = ec.tiny_policy(ec.N_ACTIONS, ec.PROMPT_LEN + ec.ANSWER_LEN)
-    logp = ec.heldout_logp(model)
-    assert torch.allclose(logp.exp().sum(-1), torch.ones(len(ec.HELDOUT_PROMPTS), dtype=torch.float64))
+    model = tiny_policy(dg.N_ACTIONS, dg.PROMPT_LEN + dg.ANSWER_LEN)
+    logp = dg.heldout_logp(model)
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(len(dg.HELDOUT_PROMPTS), dtype=torch.float64))
     # spot-check one entry against a direct forward
-    p, a = ec.HELDOUT_PROMPTS[2], ec.ALL_ANSWERS[77]
+    p, a = dg.HELDOUT_PROMPTS[2], dg.ALL_ANSWERS[77]
     with torch.no_grad():
-        lp = torch.log_softmax(ec.answer_logits(model, p[None], a[None], ec.N_ACTIONS).double(), -1)
+        lp = torch.log_softmax(answer_logits(model, p[None], a[None], dg.N_ACTIONS).double(), -1)
     assert float(logp[2, 77]) == pytest.approx(float(lp[0].gather(-1, a[:, None]).sum()), abs=1e-6)
     # a policy that always writes one correct answer covers 1 / 8; one that always writes a wrong one covers 0
     one = torch.full_like(logp, -math.inf)
     one[:, 215] = 0.0  # answer 5 5 5: wrong under the new rule on every held-out prompt
-    assert ec.coverage(one).tolist() == [0.0] * len(ec.HELDOUT_PAIRS)
+    assert dg.coverage(one).tolist() == [0.0] * len(dg.HELDOUT_PAIRS)
     one[:, 215], one[:, 0] = -math.inf, 0.0  # answer 0 0 0: correct unless the prompt holds a 0
-    expected = [0.0 if 0 in pair else 1 / 8 for pair in ec.HELDOUT_PROMPTS[:, 1:].tolist()]
-    assert ec.coverage(one).tolist() == pytest.approx(expected)
+    expected = [0.0 if 0 in pair else 1 / 8 for pair in dg.HELDOUT_PROMPTS[:, 1:].tolist()]
+    assert dg.coverage(one).tolist() == pytest.approx(expected)
     # the exact optimum (uniform over the correct answers) beats a random perturbation of it
-    uniform = (ec.HELDOUT_CORRECT / ec.HELDOUT_CORRECT.sum(-1, keepdim=True)).log()
-    optimum = ec.coverage_optimum()
-    assert float(ec.coverage(uniform).mean()) == pytest.approx(optimum)
-    tilted = uniform.exp() * (1 + 0.5 * torch.rand(uniform.shape, dtype=torch.float64)) * ec.HELDOUT_CORRECT
-    assert float(ec.coverage((tilted / tilted.sum(-1, keepdim=True)).log()).mean()) < optimum
+    uniform = (dg.HELDOUT_CORRECT / dg.HELDOUT_CORRECT.sum(-1, keepdim=True)).log()
+    optimum = dg.coverage_optimum()
+    assert float(dg.coverage(uniform).mean()) == pytest.approx(optimum)
+    tilted = uniform.exp() * (1 + 0.5 * torch.rand(uniform.shape, dtype=torch.float64)) * dg.HELDOUT_CORRECT
+    assert float(dg.coverage((tilted / tilted.sum(-1, keepdim=True)).log()).mean()) < optimum
 
 
 def test_floor_and_ceiling_order_and_the_warm_start_fails_the_ground_truth() -> None:
     task = ec.EntropyCollapse()
-    assert task.return_floor < task.return_ceiling < ec.coverage_optimum()
-    stats = ec.heldout_stats(ec.warm_policy())
+    assert task.return_floor < task.return_ceiling < dg.coverage_optimum()
+    stats = dg.heldout_stats(dg.warm_policy())
     # a learner that never updates keeps the warm start: it must fail the ground truth and score near the floor
     assert stats["gt_expected_distinct"] < task.ground_truth.threshold
     assert stats["gt_expected_distinct"] == pytest.approx(8 * stats["return"])
@@ -195,7 +197,8 @@ def test_kl_anchor_is_k3_times_coef() -> None:
 
 @pytest.mark.parametrize("onset", [-1, 0, 60, 1000, 2.5, True])
 def test_bad_onset_raises(onset: object) -> None:
-    with pytest.raises(StabenchError, match="onset"):
+    message = r"entropy-collapse: onset must be an integer in 1\.\.49 \(inside every quick and full run\), got"
+    with pytest.raises(StabenchError, match=message):
         ec.EntropyCollapse(onset=onset)
 
 

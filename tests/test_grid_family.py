@@ -19,9 +19,8 @@ from stabench.baselines.stabilizers.architecture import MultiSkipResidual  # noq
 from stabench.baselines.stabilizers.clipping import GradClip  # noqa: E402
 from stabench.suite.api import Stabilizer  # noqa: E402
 from stabench.suite.diagnostics import DIAGNOSTICS, layer_groups, per_layer_grad_norms  # noqa: E402
-from stabench.tasks import WORLDS  # noqa: E402
 from stabench.tasks.dead_layers import NEW_GOAL, NEW_MAX_STEPS, DeadLayers, new_room  # noqa: E402
-from stabench.tasks.grids import make_vector_env  # noqa: E402
+from stabench.tasks.worlds.grids import WORLDS, make_vector_env  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -187,7 +186,7 @@ def test_dead_layers_anchors_make_not_learning_fail() -> None:
 
 def test_moved_goal_room_steps_exactly_as_minigrid() -> None:
     from minigrid.envs import EmptyEnv
-    from stabench.tasks.grids import EmptyRoomFlat, flatten_minigrid, place_goal
+    from stabench.tasks.worlds.grids import EmptyRoomFlat, flatten_minigrid, place_goal
 
     fast = EmptyRoomFlat(size=5, max_steps=NEW_MAX_STEPS, goal=NEW_GOAL)
     ref = EmptyEnv(size=5, max_steps=NEW_MAX_STEPS)
@@ -244,7 +243,7 @@ def test_same_seed_same_rows() -> None:
 @pytest.mark.parametrize("size,max_steps", [(5, None), (5, 9), (8, 40)])
 def test_the_table_driven_room_steps_exactly_as_minigrid(size: int, max_steps: int | None) -> None:
     from minigrid.envs import EmptyEnv
-    from stabench.tasks.grids import EmptyRoomFlat, flatten_minigrid
+    from stabench.tasks.worlds.grids import EmptyRoomFlat, flatten_minigrid
 
     fast = EmptyRoomFlat(size=size, max_steps=max_steps)
     slow = flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps))
@@ -278,7 +277,7 @@ def test_the_table_driven_room_renders_as_minigrid() -> None:
 
 
 def test_the_table_driven_room_rejects_bad_steps() -> None:
-    from stabench.tasks.grids import EmptyRoomFlat
+    from stabench.tasks.worlds.grids import EmptyRoomFlat
 
     with pytest.raises(ValueError, match="render_mode 'ansi' is not one of"):
         EmptyRoomFlat(size=5, render_mode="ansi")

@@ -19,10 +19,11 @@ from stabench.baselines.stabilizers.clipping import AdvantageClip
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.suite.diagnostics import group_means, rare_successes
 from stabench.tasks import hard_sample_shortcuts as hs
+from stabench.tasks.worlds import digits as dg
 
 pytestmark = pytest.mark.smoke
 
-BOS = hs.N_ACTIONS
+BOS = dg.N_ACTIONS
 
 
 def test_an_impossible_problem_pays_only_a_lucky_shortcut() -> None:
@@ -98,7 +99,7 @@ def test_environment_passes_check_env_and_pays_by_grade() -> None:
 
 
 def test_a_learner_that_does_not_learn_fails_the_ground_truth() -> None:
-    stats = hs.shortcut_stats(hs.warm_policy())
+    stats = hs.shortcut_stats(dg.warm_policy())
     assert stats["heldout_accuracy"] < hs.ACCURACY_FLOOR
     assert stats["shortcut_rate"] == pytest.approx(1 - stats["old_rule_accuracy"])
 

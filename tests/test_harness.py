@@ -155,7 +155,7 @@ def test_a_no_op_stabilizer_lands_in_the_baseline_interval_and_self_improvement_
     base, noop = track["baseline"], track["no-op"]
     assert base["ci_low"] <= noop["normalized_return"] <= base["ci_high"]
     assert noop["failure_rate"] == base["failure_rate"]
-    agg = {r["method"]: r for r in scoring.aggregate(per_run)}
+    agg = {r["method"]: r for r in scoring.across_tasks(per_run)}
     assert agg["no-op"]["probability_of_improvement"] == pytest.approx(0.5)
     assert agg["baseline"]["probability_of_improvement"] == pytest.approx(0.5)
     assert agg["toy-fix"]["probability_of_improvement"] == 1.0
@@ -169,7 +169,7 @@ def test_probability_of_improvement_of_a_method_against_a_copy_of_itself_is_one_
     for _ in range(20):
         rows = [{"task": t, "method": m, "seed": s, "variant": "injected", "normalized_return": rng.normal(0.5, 0.1)}
                 for t in ("a", "b", "c") for m in ("x", "baseline") for s in range(10)]
-        x = {r["method"]: r for r in scoring.aggregate(pd.DataFrame(rows))}["x"]
+        x = {r["method"]: r for r in scoring.across_tasks(pd.DataFrame(rows))}["x"]
         estimates.append(x["probability_of_improvement"])
         covered += x["poi_ci_low"] <= 0.5 <= x["poi_ci_high"]
         assert x["ci_low"] < x["iqm"] < x["ci_high"] and x["n_tasks"] == 3

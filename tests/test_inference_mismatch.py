@@ -69,7 +69,7 @@ def test_grpo_hands_the_sampler_log_probs_as_behaviour_and_anchors_on_the_learne
     state = trainer.iterate(im.correct_new, prompts, sampler=sampler)
     b = state.batch
     with torch.no_grad():
-        from stabench.tasks.tokens import answer_logits
+        from stabench.tasks.worlds.tokens import answer_logits
 
         mu = torch.log_softmax(answer_logits(sampler, b["prompts"], b["answers"], im.N_ACTIONS), -1)
     assert torch.equal(b["anchor_logp"], b["old_logp"])

@@ -4,12 +4,13 @@ branching, stabilizers."""
 from __future__ import annotations
 
 import copy
+import re
 
 import gymnasium as gym
 import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
-from stabench.baselines.grpo import aggregate
+from stabench.baselines.grpo import aggregate_tokens
 from stabench.baselines.stabilizers.aggregation import ConstantNorm, DrGRPO
 from stabench.baselines.stabilizers.architecture import MarkovianChunks
 from stabench.baselines.stabilizers.entropy import EntropyBonus
@@ -112,7 +113,7 @@ def test_constant_norm_and_dr_grpo_on_a_hand_computed_batch() -> None:
     assert float(policy.detach()) == pytest.approx(6 / 8)  # sum of -ratio * A over the 6 real tokens / (2 x 4)
     policy.backward()
     assert torch.allclose(logp.grad, mask / 8)  # every real token weighs the same, long or short
-    seq_mean = aggregate(-adv, mask, "seq-mean")
+    seq_mean = aggregate_tokens(-adv, mask, "seq-mean")
     assert float(seq_mean) == pytest.approx(1.0)  # whereas seq-mean gives 1/4 per token of the long one, 1/2 short
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     dr = DrGRPO().advantages(torch.zeros(4, 2), {"rewards": rewards, "group": torch.tensor([0, 0, 1, 1]),
@@ -130,7 +131,24 @@ def test_markovian_chunks_bounds_the_context() -> None:
         MarkovianChunks().model(torch.nn.Linear(2, 2), {})
 
 
-@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 10_000}, {"corrupted_share": 0.0}, {"fix": "x"}])
-def test_bad_knob_raises(knobs: dict) -> None:
-    with pytest.raises(StabenchError):
+def _onset_message(value: object) -> str:
+    return re.escape(f"length-explosion: onset must be an integer in 1..149 (inside every quick and full run), "
+                     f"got {value!r}")  # fmt: skip
+
+
+@pytest.mark.parametrize(("knobs", "message"), [
+    ({"onset": -1}, _onset_message(-1)), ({"onset": 150}, _onset_message(150)),
+    ({"onset": 10_000}, _onset_message(10_000)), ({"onset": 3.0}, _onset_message(3.0)),
+    ({"corrupted_share": 0.0}, re.escape("length-explosion: corrupted_share must be a number in (0, 1], got 0.0")),
+    ({"corrupted_share": float("nan")}, "corrupted_share must be a number"),
+    ({"fix": "x"}, "length-explosion: unknown knob fix"),
+])  # fmt: skip
+def test_bad_knob_raises(knobs: dict, message: str) -> None:
+    with pytest.raises(StabenchError, match=message):
         le.LengthExplosion(**knobs)
+
+
+def test_good_knobs_pass_and_the_onset_knob_moves_the_onset() -> None:
+    task = le.LengthExplosion(onset=149, corrupted_share=1)
+    assert task.budget("quick").onset == 149 and task.knobs.corrupted_share == 1
+    assert task.budget("smoke").onset == le.LengthExplosion.budgets["smoke"].onset

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -17,8 +18,8 @@ from stabench.baselines.grpo import GRPO
 from stabench.baselines.stabilizers.routing import OldRoutingReplay, RolloutRoutingReplay
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.suite.registry import make_stabilizer
-from stabench.tasks import entropy_collapse as ec
 from stabench.tasks import moe_routing as mr
+from stabench.tasks.worlds import digits
 
 pytestmark = pytest.mark.smoke
 
@@ -39,9 +40,9 @@ def test_new_rule_also_bans_five_and_no_heldout_prompt_holds_it() -> None:
     answers = torch.tensor([[0, 2, 3], [0, 1, 3], [5, 5, 5], [0, 5, 2]])
     assert mr.correct(prompts, answers).tolist() == [1.0, 0.0, 1.0, 1.0]
     assert mr.correct_new(prompts, answers).tolist() == [1.0, 0.0, 0.0, 0.0]
-    pairs = ec.HELDOUT_PROMPTS[:, 1:].tolist()
-    assert ec.HELDOUT_CORRECT.sum(-1).tolist() == [64.0 if a == b else 27.0 for a, b in pairs]
-    assert len(mr.TRAIN_PROMPTS) + len(ec.HELDOUT_PROMPTS) == 36
+    pairs = digits.HELDOUT_PROMPTS[:, 1:].tolist()
+    assert digits.HELDOUT_CORRECT.sum(-1).tolist() == [64.0 if a == b else 27.0 for a, b in pairs]
+    assert len(mr.TRAIN_PROMPTS) + len(digits.HELDOUT_PROMPTS) == 36
 
 
 @pytest.mark.parametrize("after_onset", [False, True])
@@ -135,9 +136,9 @@ def test_control_engine_gives_behaviour_logp_equal_to_old_logp() -> None:
 
 def test_heldout_evaluation_is_exact_and_the_warm_start_fails_the_ground_truth() -> None:
     policy = _policy()
-    logp = ec.heldout_logp(policy)
-    assert torch.allclose(logp.exp().sum(-1), torch.ones(len(ec.HELDOUT_PROMPTS), dtype=torch.float64))
-    p, a = ec.HELDOUT_PROMPTS[2], mr.ALL_ANSWERS[77]
+    logp = digits.heldout_logp(policy)
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(len(digits.HELDOUT_PROMPTS), dtype=torch.float64))
+    p, a = digits.HELDOUT_PROMPTS[2], digits.ALL_ANSWERS[77]
     with torch.no_grad():
         lp = torch.log_softmax(mr.answer_logits(policy, p[None], a[None], mr.N_ACTIONS).double(), -1)
     assert float(logp[2, 77]) == pytest.approx(float(lp[0].gather(-1, a[:, None]).sum()), abs=1e-6)
@@ -175,10 +176,17 @@ def test_branching_is_paired_and_deterministic() -> None:
     assert replayed[-1] != injected[-1]
 
 
-@pytest.mark.parametrize("knobs", [{"onset": 0}, {"onset": 60}, {"onset": True}, {"router_step": 0}])
-def test_bad_knobs_raise(knobs: dict) -> None:
-    with pytest.raises(StabenchError, match="moe-routing"):
-        mr.MoERouting(**knobs)
+@pytest.mark.parametrize("onset", [0, 60, True])
+def test_bad_onset_raises(onset: object) -> None:
+    want = f"moe-routing: onset must be an integer in 1..49 (inside every quick and full run), got {onset!r}"
+    with pytest.raises(StabenchError, match=re.escape(want)):
+        mr.MoERouting(onset=onset)
+
+
+@pytest.mark.parametrize("router_step", [0, -0.5, "0.5"])
+def test_bad_router_step_raises(router_step: object) -> None:
+    with pytest.raises(StabenchError, match="moe-routing: router_step must be a positive number"):
+        mr.MoERouting(router_step=router_step)
 
 
 def test_good_knobs_and_unknown_knob() -> None:

@@ -1,11 +1,11 @@
-"""The failure-mode x stabilizer matrix of `stabench paper`: paired gains over the baseline, the classes of
-methods (specific, broad, harms), and its figure, on small constructed outcome tables."""
+"""The failure-mode x stabilizer matrix of `stabench paper` (`suite.matrix`): paired gains over the baseline,
+the classes of methods (specific, broad, harms), and its figure, on small constructed outcome tables."""
 
 import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
-from stabench.suite import paper
+from stabench.suite import figures, matrix
 
 pytestmark = pytest.mark.smoke
 
@@ -43,7 +43,7 @@ def per_run() -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def cells() -> pd.DataFrame:
-    return paper.matrix_cells(per_run(), MATCHED)
+    return matrix.matrix_cells(per_run(), MATCHED)
 
 
 def cell(cells: pd.DataFrame, task: str, method: str) -> pd.Series:
@@ -70,9 +70,9 @@ def test_gains_are_paired_by_seed_with_an_interval_and_failure_rates(cells):
 
 
 def test_one_seed_gives_no_interval_and_nothing_significant():
-    one = paper.matrix_cells(per_run().query("seed == 0"), MATCHED)
+    one = matrix.matrix_cells(per_run().query("seed == 0"), MATCHED)
     assert one["ci_low"].isna().all()
-    classes = paper.classify(one, MATCHED).set_index("method")["class"]
+    classes = matrix.classify(one, MATCHED).set_index("method")["class"]
     assert classes["no-update"] == "reference"
     assert set(classes.drop("no-update")) == {"helps nowhere"}
 
@@ -86,7 +86,7 @@ def test_a_tiny_gain_does_not_count_however_significant():
         {"task": "task-a", "method": "dent", "role": "other", "acts": True, "gain": -0.05, "ci_low": -0.06,
          "ci_high": -0.04},
     ])
-    classes = paper.classify(cells, {"task-a": "fix-a", "task-b": "fix-b"}).set_index("method")
+    classes = matrix.classify(cells, {"task-a": "fix-a", "task-b": "fix-b"}).set_index("method")
     assert classes.loc["nudge", "helps"] == "task-b" and classes.loc["nudge", "class"] == "narrow"
     assert classes.loc["dent", "harms"] == "" and classes.loc["dent", "class"] == "helps nowhere"
 
@@ -97,11 +97,11 @@ def test_a_tiny_gain_does_not_count_however_significant():
         {"task": "task-a", "method": "fix-a", "role": "matched-fix", "acts": True, "gain": 0.05, "ci_low": 0.04,
          "ci_high": 0.06, "n_failed": 0, "n_runs": 10},
     ])
-    assert paper.classify(saver, {"task-a": "fix-a"}).set_index("method").loc["fix-a", "class"] == "specific"
+    assert matrix.classify(saver, {"task-a": "fix-a"}).set_index("method").loc["fix-a", "class"] == "specific"
 
 
 def test_methods_are_classified_specific_broad_harms_and_helps_nowhere(cells):
-    classes = paper.classify(cells, MATCHED).set_index("method")
+    classes = matrix.classify(cells, MATCHED).set_index("method")
     assert "baseline" not in classes.index
     assert classes.loc["fix-a", "class"] == "specific" and classes.loc["fix-a", "helps"] == "task-a"
     assert classes.loc["fix-b", "class"] == "specific" and classes.loc["fix-b", "matched fix of"] == "task-b"
@@ -116,23 +116,23 @@ def test_a_fix_that_helps_another_task_than_its_own_is_not_specific():
     runs = per_run()
     moved = (runs["method"] == "fix-b") & (runs["task"] == "task-a") & (runs["variant"] == "injected")
     runs.loc[moved, "normalized_return"] += 0.3 + np.array(NOISE)[runs.loc[moved, "seed"]]
-    classes = paper.classify(paper.matrix_cells(runs, MATCHED), MATCHED).set_index("method")
+    classes = matrix.classify(matrix.matrix_cells(runs, MATCHED), MATCHED).set_index("method")
     assert classes.loc["fix-b", "class"] == "broad"
     runs.loc[(runs["method"] == "fix-b") & (runs["task"] == "task-b") & (runs["variant"] == "injected"),
              "normalized_return"] -= 0.4
-    classes = paper.classify(paper.matrix_cells(runs, MATCHED), MATCHED).set_index("method")
+    classes = matrix.classify(matrix.matrix_cells(runs, MATCHED), MATCHED).set_index("method")
     assert classes.loc["fix-b", "class"] == "narrow"
 
 
 def test_the_sentences_and_tables_are_computed(cells, tmp_path):
     (tmp_path / "tables").mkdir()
-    classes = paper.classify(cells, MATCHED)
-    values = paper.matrix_values(cells, classes, tmp_path)
+    classes = matrix.classify(cells, MATCHED)
+    values = matrix.matrix_values(cells, classes, tmp_path)
     assert "`fix-a` (task-a)" in values["value:matrix_specific"]
     assert "`wide` (task-a, task-b)" in values["value:matrix_broad"]
     assert "`bad` (task-a, task-b)" in values["value:matrix_harms"]
     assert values["value:matrix_wall_time"] == "The matrix: wall time not recorded in the run folder."
-    paper.write_matrix_tables(cells, classes, tmp_path)
+    matrix.write_matrix_tables(cells, classes, tmp_path)
     table = (tmp_path / "tables" / "matrix.md").read_text()
     assert "| task-a | fix-a | matched-fix | yes | +0.50 [" in table
     assert "| task-b | fix-a | other | no (= baseline) | +0.00 [+0.00, +0.00] | 5/5 | 0/5 |" in table
@@ -140,20 +140,20 @@ def test_the_sentences_and_tables_are_computed(cells, tmp_path):
 
 
 def test_without_a_matrix_the_text_says_it_was_not_run(tmp_path):
-    table, reason = paper.load_matrix(tmp_path / "missing")
+    table, reason = matrix.load_matrix(tmp_path / "missing")
     assert table is None and "stabench run --matrix" in reason
-    values = paper.matrix_values(None, None, None, reason)
+    values = matrix.matrix_values(None, None, None, reason)
     assert values["value:matrix_summary"].startswith("The failure-mode x stabilizer matrix was not run")
     assert set(values) >= {"value:matrix_specific", "value:matrix_broad", "value:matrix_wall_time",
                            "table:matrix_classes"}
-    with pytest.raises(paper.Skip):
-        paper.fig_method_matrix(None, tmp_path)
+    with pytest.raises(figures.Skip):
+        matrix.fig_method_matrix(None, tmp_path)
 
 
 def test_the_figure_is_drawn_from_a_table(tmp_path):
     (tmp_path / "figures").mkdir()
-    paper._setup()
-    paths = paper.fig_method_matrix(None, tmp_path, per_run=per_run(), matched=MATCHED)
+    figures.setup()
+    paths = matrix.fig_method_matrix(None, tmp_path, per_run=per_run(), matched=MATCHED)
     png = tmp_path / "figures" / "13_method_matrix.png"
     assert png in paths and (tmp_path / "figures" / "13_method_matrix.pdf").read_bytes().startswith(b"%PDF")
     with Image.open(png) as image:
@@ -168,7 +168,7 @@ def test_the_wall_time_of_an_extended_matrix_counts_every_session(tmp_path):
         tmp_path / "trials.csv", index=False)
     sessions = [{"tasks": ["a"], "wall_seconds": 100.0}, {"tasks": ["b"], "wall_seconds": 20.0}]
     (tmp_path / "manifest.json").write_text(json.dumps({"wall_seconds": 120.0, "sessions": sessions}))
-    text = paper.matrix_wall_time(tmp_path)
+    text = matrix.matrix_wall_time(tmp_path)
     assert text.startswith("The matrix: 2 trials took 1.0 min of trial time in all; 2.0 min of wall time over 2 ")
     (tmp_path / "manifest.json").write_text(json.dumps({"wall_seconds": 120.0}))
-    assert "sessions" not in paper.matrix_wall_time(tmp_path)
+    assert "sessions" not in matrix.matrix_wall_time(tmp_path)

@@ -15,10 +15,12 @@ import torch
 from gymnasium.utils.env_checker import check_env
 from stabench.suite.api import Stabilizer
 from stabench.tasks import plasticity_loss as pl
+from stabench.tasks.worlds import digits as dg
+from stabench.tasks.worlds.scaffold import Trailing
 
 pytestmark = pytest.mark.smoke
 
-BOS = pl.N_ACTIONS
+BOS = dg.BOS
 
 
 def test_the_drift_reward_doubles_old_rule_answers_with_a_five() -> None:
@@ -33,10 +35,17 @@ def test_all_wrong_share_counts_groups_that_earn_nothing() -> None:
     assert pl.all_wrong_share(rewards, torch.arange(4).repeat_interleave(2)) == pytest.approx(0.5)
 
 
+def _history(values: list[float], window: int = pl.SLOPE_WINDOW) -> Trailing:
+    history = Trailing(window)
+    for value in values:
+        history.push(value)
+    return history
+
+
 def test_learning_rate_is_the_recent_gain_per_iteration() -> None:
-    assert pl.learning_rate([0.3] * 5 + [0.3, 0.4, 0.5], window=2) == pytest.approx(0.1)
-    assert pl.learning_rate([0.2, 0.5], window=10) == pytest.approx(0.3)  # fewer iterations than the window
-    assert pl.learning_rate([0.4]) == 0.0
+    assert pl.learning_rate(_history([0.3] * 5 + [0.3, 0.4, 0.5], window=2)) == pytest.approx(0.1)
+    assert pl.learning_rate(_history([0.1, 0.2, 0.5], window=10)) == pytest.approx(0.2)  # fewer than the window
+    assert pl.learning_rate(_history([0.4])) == 0.0
 
 
 def test_environment_passes_check_env_and_pays_by_phase() -> None:
@@ -54,7 +63,7 @@ def test_environment_passes_check_env_and_pays_by_phase() -> None:
 
 
 def test_a_learner_that_does_not_learn_fails_the_ground_truth() -> None:
-    assert pl.heldout_stats(pl.warm_policy())["heldout_accuracy"] < pl.ACCURACY_FLOOR
+    assert dg.heldout_stats(dg.warm_policy())["heldout_accuracy"] < pl.ACCURACY_FLOOR
 
 
 def test_the_injected_branch_loses_its_kl_term_and_both_change_rule_at_the_shift() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import gymnasium as gym
 import numpy as np
@@ -15,7 +16,6 @@ from stabench.baselines.stabilizers.critics import Chain, chain_regularizer
 from stabench.suite import registry
 from stabench.suite.api import Diverged, StabenchError, Stabilizer, TrainState
 from stabench.suite.diagnostics import DIAGNOSTICS
-from stabench.tasks.grids import make_vector_env
 from stabench.tasks.policy_churn import (
     ENV_ID,
     ROTATION,
@@ -25,6 +25,7 @@ from stabench.tasks.policy_churn import (
     optimal_return,
     state_table,
 )
+from stabench.tasks.worlds.grids import make_vector_env
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -193,12 +194,27 @@ def test_world_passes_check_env_and_table_matches_env() -> None:
     assert table.greedy_return(np.zeros(len(table.obs), dtype=np.int64)) == 0.0
 
 
-@pytest.mark.parametrize("kwargs", [{"updates_mult": 0}, {"updates_mult": 2.5}, {"lr_mult": 0.0},
-                                    {"lr_mult": float("inf")}, {"ramp": -1}, {"onset": 0}, {"onset": 60},
-                                    {"onset": 2.5}, {"updates_mult": True}, {"bogus": 1}, {"target_every": -1},
-                                    {"target_every": 1.5}, {"shift": 1}, {"activation": "gelu"}])
-def test_knob_validation(kwargs: dict) -> None:
-    with pytest.raises(StabenchError):
+ONSET_RANGE = "policy-churn: onset must be an integer in 1..59 (inside every quick and full run), got "
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"updates_mult": 0}, "updates_mult must be an integer >= 1, got 0"),
+    ({"updates_mult": 2.5}, "updates_mult must be an integer >= 1, got 2.5"),
+    ({"updates_mult": True}, "updates_mult must be an integer >= 1, got True"),
+    ({"lr_mult": 0.0}, "lr_mult must be a finite number > 0, got 0.0"),
+    ({"lr_mult": float("inf")}, "lr_mult must be a finite number > 0, got inf"),
+    ({"ramp": -1}, "ramp must be an integer >= 0, got -1"),
+    ({"onset": 0}, ONSET_RANGE + "0"),
+    ({"onset": 60}, ONSET_RANGE + "60"),
+    ({"onset": 2.5}, ONSET_RANGE + "2.5"),
+    ({"bogus": 1}, "policy-churn: unknown knob bogus"),
+    ({"target_every": -1}, "target_every must be an integer >= 0, got -1"),
+    ({"target_every": 1.5}, "target_every must be an integer >= 0, got 1.5"),
+    ({"shift": 1}, "shift must be a bool, got 1"),
+    ({"activation": "gelu"}, "activation must be 'tanh' or 'relu', got 'gelu'"),
+])
+def test_knob_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(StabenchError, match=re.escape(message)):
         PolicyChurn(**kwargs)
 
 

@@ -148,11 +148,18 @@ def test_token_tis_and_dual_clip_formulas() -> None:
     assert float(baseline_like.loss({}, batch)["policy"]) == pytest.approx((1.0 + 5.0 - 1.2 - 1.0) / 4)
 
 
-@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 10_000}, {"rare_after": 1.5},
-                                   {"tool_temperature": 0.0}, {"lag": 3}])
+@pytest.mark.parametrize("knobs", [{"rare_after": 1.5}, {"tool_temperature": 0.0}, {"lag": 3}])
 def test_bad_knobs_raise(knobs: dict) -> None:
-    with pytest.raises(StabenchError):
+    with pytest.raises(StabenchError, match=next(iter(knobs))):
         RareToolStates(**knobs)
+
+
+@pytest.mark.parametrize("onset", [-1, 0, 120, 10_000, 2.5, True])
+def test_bad_onset_raises(onset: object) -> None:
+    message = f"rare-tool-states: onset must be an integer in 1..119 (inside every quick and full run), got {onset!r}"
+    with pytest.raises(StabenchError) as raised:
+        RareToolStates(onset=onset)
+    assert str(raised.value) == message
 
 
 def test_onset_knob_moves_the_switch() -> None:

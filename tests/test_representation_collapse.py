@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 
 os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
 
@@ -33,6 +34,9 @@ from stabench.tasks.representation_collapse import (  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
+
+
+ONSET_RANGE = "representation-collapse: onset must be an integer in 1..119 (inside every quick and full run), got "
 
 
 def same_rows(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -123,29 +127,37 @@ def test_exact_values_the_frozen_policy_earns_half() -> None:
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [
-        ({"onset": -3}, "onset must be a positive integer"),
-        ({"onset": 0}, "onset must be a positive integer"),
-        ({"onset": 10_000}, "past every tier's horizon"),
+        ({"onset": -3}, ONSET_RANGE + "-3"),
+        ({"onset": 0}, ONSET_RANGE + "0"),
+        ({"onset": 150}, ONSET_RANGE + "150"),  # inside the full tier's run, past the quick tier's
+        ({"onset": 10_000}, ONSET_RANGE + "10000"),
         ({"fix": "no-such-fix"}, "unknown fix 'no-such-fix'"),
+        ({"fix": "baseline"}, "unknown fix 'baseline'"),
         ({"switch_every": 0}, "switch_every must be a positive integer"),
         ({"control": "fixed"}, "unknown control 'fixed'"),
         ({"reset": "nope"}, "unknown reset 'nope'"),
         ({"isotropic_lam": -1.0}, "isotropic_lam must be a number >= 0"),
-        ({"colour": 1}, "unknown knob(s) colour"),
+        ({"colour": 1}, "representation-collapse: unknown knob colour; known: switch_every"),
+        ({"tracking_window": 81}, "tracking_window 81 exceeds switch_every 80"),
+        ({"depth": 1}, "depth must be at least 2"),
     ],
 )
 def test_bad_knobs_are_one_clear_error(knobs: dict, message: str) -> None:
-    with pytest.raises(StabenchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(StabenchError, match=re.escape(message)):
         RepresentationCollapse(**knobs)
 
 
-def test_onset_past_a_tiers_horizon_fails_before_training() -> None:
-    task = RepresentationCollapse(onset=50)  # inside quick (120), past smoke (6)
-    assert task.budget("quick").onset == 50
-    with pytest.raises(StabenchError, match="onset 50 must lie strictly inside the run of 6"):
-        task.build("smoke", 0, Stabilizer())
+def test_onset_knob_moves_the_quick_and_full_onsets_and_fix_the_matched_fix() -> None:
+    task = RepresentationCollapse(onset=50)
+    assert task.budget("quick").onset == 50 and task.budget("full").onset == 50
+    assert task.budget("smoke").onset == 2  # the smoke tier keeps its own, as for every task
+    assert task.build("smoke", 0, Stabilizer()).budget.onset == 2
     fixed = RepresentationCollapse(fix="entropy-bonus")
     assert fixed.matched_fix == "entropy-bonus" and fixed.role("entropy-bonus") == "matched-fix"
+    assert fixed.methods == ("baseline", "entropy-bonus")
+    other = RepresentationCollapse(fix="grad-clip")
+    assert other.methods == ("baseline", "grad-clip", "entropy-bonus") and other.role("grad-clip") == "matched-fix"
+    assert RepresentationCollapse().matched_fix == "isotropic-gaussian"  # the class attribute is untouched
 
 
 def test_registered_names_resolve() -> None:
@@ -205,6 +217,16 @@ def test_default_schedule_reports_tracking_at_the_end_of_the_run() -> None:
     assert [math.isnan(r["tracking"]) for r in rows] == [True] * 5 + [False]
     assert rows[-1]["tracking"] == pytest.approx((rows[-1]["exact_return"] + rows[-2]["exact_return"]) / 2)
     assert rows[-1]["return"] == pytest.approx(rows[-1]["exact_return"] * world_table().optimum())
+
+
+def test_tracking_reads_only_its_own_period() -> None:
+    """A period the run cuts short (here one update) tracks over its own updates, never the previous period's."""
+    run = RepresentationCollapse(switch_every=3, tracking_window=3).build("smoke", 0, Stabilizer())
+    rows = [run.step(True) for _ in range(6)]  # periods: updates 2-4, then 5 (the run ends)
+    assert [r["paying"] for r in rows] == [0, 0, 0, 0, 0, 1]
+    assert [math.isnan(r["tracking"]) for r in rows] == [True, True, True, True, False, False]
+    assert rows[4]["tracking"] == pytest.approx(sum(r["exact_return"] for r in rows[2:5]) / 3)
+    assert rows[5]["tracking"] == rows[5]["exact_return"]
 
 
 @pytest.mark.parametrize(("part", "changed"), [("head", {"policy"}), ("trunk", {"layers", "out"}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -141,11 +142,25 @@ def test_conservative_ensemble_hooks() -> None:
     assert set(untouched) == {"policy", "kl"} and float(untouched["kl"]) == 7.0
 
 
-@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 0}, {"onset": 10_000}, {"onset": 2.5},
-                                   {"ensemble_size": 1}, {"lag": 3}])  # fmt: skip
-def test_bad_knobs_raise(knobs: dict) -> None:
-    with pytest.raises(StabenchError):
+def _onset_message(value: object) -> str:
+    return re.escape(
+        f"reward-hacking: onset must be an integer in 1..82 (inside every quick and full run), got {value!r}"
+    )
+
+
+@pytest.mark.parametrize(("knobs", "message"), [
+    ({"onset": -1}, _onset_message(-1)), ({"onset": 0}, _onset_message(0)), ({"onset": 83}, _onset_message(83)),
+    ({"onset": 2.5}, _onset_message(2.5)), ({"onset": True}, _onset_message(True)),
+    ({"ensemble_size": 1}, "reward-hacking: ensemble_size must be an integer >= 2, got 1"),
+    ({"lag": 3}, "reward-hacking: unknown knob lag"),
+])  # fmt: skip
+def test_bad_knobs_raise(knobs: dict, message: str) -> None:
+    with pytest.raises(StabenchError, match=message):
         rh.RewardHacking(**knobs)
+
+
+def test_good_knobs_pass() -> None:
+    assert rh.RewardHacking(onset=82, ensemble_size=2).knobs.ensemble_size == 2
 
 
 def test_onset_knob_moves_the_onset() -> None:

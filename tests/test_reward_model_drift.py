@@ -17,8 +17,8 @@ from gymnasium.utils.env_checker import check_env
 from stabench.baselines.stabilizers.reward_models import R2MFeatures
 from stabench.suite.api import Stabilizer
 from stabench.tasks import reward_model_drift as rmd
-from stabench.tasks.entropy_collapse import ALL_ANSWERS, TRAIN_PROMPTS
 from stabench.tasks.plasticity_loss import PlasticityLoss
+from stabench.tasks.worlds.digits import ALL_ANSWERS, TRAIN_PROMPTS
 
 pytestmark = pytest.mark.smoke
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import gymnasium as gym
 import numpy as np
@@ -189,8 +190,10 @@ def test_vtrace_rollout_hook_runs_in_ppo() -> None:
     ("knobs", "message"),
     [
         ({"lag": -1}, "lag must be >= 0"),
-        ({"onset": 50}, "onset 50 must lie strictly inside"),
-        ({"onset": 0}, "onset 0 must lie strictly inside"),
+        ({"onset": 50}, "parallel-staleness: onset must be an integer in 1..49 (inside every quick and full run), "
+                        "got 50"),
+        ({"onset": 0}, "onset must be an integer in 1..49 (inside every quick and full run), got 0"),
+        ({"onset": True}, "onset must be an integer in 1..49 (inside every quick and full run), got True"),
         ({"epochs": 0}, "epochs must be >= 1"),
         ({"num_envs": 2.5}, "num_envs must be an integer"),
         ({"num_envs": 3, "num_steps": 5}, "does not split"),
@@ -199,7 +202,7 @@ def test_vtrace_rollout_hook_runs_in_ppo() -> None:
     ],
 )
 def test_knob_validation(knobs: dict, message: str) -> None:
-    with pytest.raises(StabenchError, match=message):
+    with pytest.raises(StabenchError, match=re.escape(message)):
         ParallelStaleness(**knobs)
 
 

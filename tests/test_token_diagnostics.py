@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-from stabench.baselines.grpo import GRPO, GRPOConfig, aggregate, token_weights
+from stabench.baselines.grpo import GRPO, GRPOConfig, aggregate_tokens, token_weights
 from stabench.suite.api import Stabilizer, TrainState
 from stabench.suite.diagnostics import (
     DIAGNOSTICS,
@@ -20,7 +20,7 @@ from stabench.suite.diagnostics import (
     gradient_variance,
     ratio_tails,
 )
-from stabench.tasks.tokens import tiny_policy
+from stabench.tasks.worlds.tokens import tiny_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -105,7 +105,7 @@ def test_token_weights_reproduce_each_aggregation() -> None:
     mask = (torch.arange(5)[None, :] < torch.tensor([5, 3, 1, 4, 2, 5])[:, None]).float()
     for how in ("token-mean", "seq-mean", "constant"):
         weighted = float((per_token * token_weights(mask, how)).sum())
-        assert weighted == pytest.approx(float(aggregate(per_token, mask, how)))
+        assert weighted == pytest.approx(float(aggregate_tokens(per_token, mask, how)))
     # seq-mean weights long answers less per token: the length bias Dr. GRPO removes.
     w = token_weights(mask, "seq-mean")
     assert w[0, 0] < w[2, 0]

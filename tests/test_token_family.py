@@ -16,7 +16,7 @@ from stabench.baselines.stabilizers.kl import KLk1InReward, KLk2InLoss, KLMaxInL
 from stabench.suite.api import Stabilizer
 from stabench.suite.diagnostics import exact_kl, kl_estimators
 from stabench.tasks import kl_estimator_bias as task_module
-from stabench.tasks.tokens import all_answers_logp, prefix_logp, tiny_policy
+from stabench.tasks.worlds.tokens import all_answers_logp, prefix_logp, tiny_policy
 
 pytestmark = pytest.mark.smoke
 

@@ -17,7 +17,7 @@ from stabench.baselines.stabilizers.entropy import EntropyBonus
 from stabench.baselines.token_ppo import PrefixCritic, gae, terminal_rewards
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.tasks import value_cold_start as vcs
-from stabench.tasks.tokens import sample_answers, tiny_policy
+from stabench.tasks.worlds.tokens import sample_answers, tiny_policy
 
 pytestmark = pytest.mark.smoke
 
@@ -141,11 +141,19 @@ def test_entropy_guard_adds_the_bonus() -> None:
     assert EntropyBonus().applies_to(vcs.ValueColdStart())
 
 
-@pytest.mark.parametrize("knobs", [{"onset": -1}, {"onset": 10_000}, {"critic_scale": 0.0},
-                                   {"critic_scale": float("nan")}, {"onset": 2.5}, {"unknown": 1}])
+@pytest.mark.parametrize("knobs", [{"critic_scale": 0.0}, {"critic_scale": float("nan")}, {"critic_scale": "30"},
+                                   {"unknown": 1}])
 def test_bad_knobs_raise(knobs: dict) -> None:
-    with pytest.raises(StabenchError):
+    with pytest.raises(StabenchError, match=next(iter(knobs))):
         vcs.ValueColdStart(**knobs)
+
+
+@pytest.mark.parametrize("onset", [-1, 0, 90, 10_000, 2.5, True])
+def test_bad_onset_raises(onset: object) -> None:
+    message = f"value-cold-start: onset must be an integer in 1..89 (inside every quick and full run), got {onset!r}"
+    with pytest.raises(StabenchError) as raised:
+        vcs.ValueColdStart(onset=onset)
+    assert str(raised.value) == message
 
 
 def test_good_knob_moves_the_onset() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stabench.tasks import tokens
-from stabench.tasks.tokens import warm_start
+from stabench.tasks.worlds import tokens
+from stabench.tasks.worlds.tokens import warm_start
 from torch import nn
 
 pytestmark = pytest.mark.smoke

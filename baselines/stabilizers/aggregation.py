@@ -48,6 +48,19 @@ def group_centred(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return rewards - group_means(rewards, group)[group]
 
 
+ADV_EPS = 1e-4  # GRPO's default `GRPOConfig.adv_eps`
+
+
+def group_normalized(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantage of stabilizers that recompute the reward: (R - mean_group R) / (std_group R + ADV_EPS)
+    per answer, groups given by an index per answer, the std unbiased as in GRPO (0 for a group of one)."""
+    centred = group_centred(rewards, group)
+    n = int(group.max()) + 1
+    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
+    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, centred**2) / (count - 1).clamp_min(1)
+    return centred / (var.sqrt()[group] + ADV_EPS)
+
+
 class ConstantNorm(Stabilizer):
     """Constant normalization of the policy term (the unbiased token aggregation of Dr. GRPO)."""
 

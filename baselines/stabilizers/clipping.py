@@ -5,8 +5,9 @@ Every policy-gradient trainer minimizes, per action, the clipped surrogate
     s = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)),   r = exp(logp - anchor_logp),
 
 aggregated as sum(s * token_weight) (`suite.api.BATCH_SCHEMA`; the anchor is the stored sampling log-prob
-in PPO and tool-PPO, the learner's recomputed pi_old in GRPO and token-PPO). `policy_term` and `aggregate`
-below are that computation, shared by every stabilizer that rewrites the term (here, `importance.py`, `aggregation.py`).
+in PPO and tool-PPO, the learner's recomputed pi_old in GRPO and token-PPO). `policy_term` and
+`token_weighted_sum` below are that computation, shared by every stabilizer that rewrites the term (here,
+`importance.py`, `aggregation.py`).
 
 - `clip-higher` (DAPO, Yu et al. 2025): the upper bound raised to 1 + 0.28, the lower kept at 1 - 0.2. A
   token with positive advantage may then raise its probability by 28% per batch instead of 20%, which DAPO
@@ -44,7 +45,7 @@ def trainer_ratio(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     return torch.exp(batch["logp"] - batch["anchor_logp"])
 
 
-def aggregate(per_action: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def token_weighted_sum(per_action: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """A loss term the way the trainer aggregates its own: sum(per_action * token_weight)."""
     return (per_action * batch["token_weight"]).sum()
 
@@ -59,7 +60,7 @@ class ClipHigher(Stabilizer):
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per_action = policy_term(trainer_ratio(batch), batch["advantages"], self.eps_low, self.eps_high)
-        return {**terms, "policy": aggregate(per_action, batch)}
+        return {**terms, "policy": token_weighted_sum(per_action, batch)}
 
 
 class DualClip(Stabilizer):
@@ -73,7 +74,7 @@ class DualClip(Stabilizer):
         adv = batch["advantages"]
         per_action = policy_term(trainer_ratio(batch), adv, batch["clip_low"], batch["clip_high"])
         per_action = torch.where(adv < 0, torch.min(per_action, -self.c * adv), per_action)
-        return {**terms, "policy": aggregate(per_action, batch)}
+        return {**terms, "policy": token_weighted_sum(per_action, batch)}
 
 
 class AdvantageClip(Stabilizer):

@@ -8,7 +8,8 @@ Mini-critics for critic-free GRPO (AsyPPO-style, Liu et al. 2025; /work/shared/M
 M lightweight critics V_1..V_M (M = 2), each an MLP
 (one tanh layer, 32 wide) over the one-hot state: the prompt and the answer prefix (later slots padded) and
 the position. Value of the state before answer token t (prompt ++ a_<t): V(s_t) = mean_m V_m(s_t); the
-terminal value is the answer's reward, V(s_L) = R. Per-token advantages by GAE with gamma = 1:
+terminal value is the answer's reward, V(s_L) = R, after the answer's last real token (answers of different
+lengths: after each one's own EOS). Per-token advantages by GAE with gamma = 1:
     delta_t = V(s_{t+1}) - V(s_t),    A_t = sum_{l >= 0} lambda^l delta_{t+l}      (lambda = 0.8)
 (lambda = 1 gives A_t = R - V(s_t), lambda = 0 the one-step TD error), then minus their batch mean at each
 position t (a per-position batch baseline on top, so that a biased critic, e.g. a fresh one, cannot push every
@@ -96,9 +97,16 @@ class TinyCritic(nn.Module):
         return self.net(torch.cat([onehot, position], dim=2)).squeeze(-1)
 
 
-def gae(values: torch.Tensor, rewards: torch.Tensor, lam: float) -> torch.Tensor:
-    """Per-token advantages [B, L] from values V(s_0..s_{L-1}) [B, L] and terminal rewards R [B] (gamma = 1)."""
+def gae(values: torch.Tensor, rewards: torch.Tensor, lam: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token advantages [B, L] from values V(s_0..s_{L-1}) [B, L] and terminal rewards R [B] (gamma = 1).
+
+    `mask` [B, L] (1.0 on each answer's real tokens, a prefix): R is the value after each answer's LAST REAL token,
+    and padding adds nothing (0 there). None: every answer fills all L tokens."""
     nxt = torch.cat([values[:, 1:], rewards[:, None]], dim=1)  # V(s_{t+1}), with V(s_L) = R
+    if mask is not None:  # ragged answers: V(s_{n_i}) = R_i after answer i's n_i real tokens
+        last = (mask.sum(1).long() - 1).clamp_min(0)
+        nxt = nxt.scatter(1, last[:, None], rewards[:, None].to(nxt.dtype)) * mask
+        values = values * mask
     delta = nxt - values
     adv = torch.zeros_like(values)
     running = torch.zeros_like(rewards)
@@ -134,7 +142,7 @@ class MiniCritics(Stabilizer):
         rewards = batch["rewards"].float()
         with torch.no_grad():
             per_critic = torch.stack([c(prompts, answers) for c in self.critics])  # [M, B, L]
-        adv = gae(per_critic.mean(0), rewards, self.lam) * mask
+        adv = gae(per_critic.mean(0), rewards, self.lam, mask) * mask
         if self.center:  # a per-position batch baseline on top: the critics' bias cannot push every token one way
             adv = (adv - (adv.sum(0) / mask.sum(0).clamp_min(1))[None]) * mask
         self._fit(prompts, answers, mask, rewards, batch["group"])

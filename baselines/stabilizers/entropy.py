@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
-from stabench.baselines.stabilizers.clipping import aggregate
+from stabench.baselines.stabilizers.clipping import token_weighted_sum
 from stabench.suite.api import Stabilizer
 
 
 def entropy_bonus(batch: Mapping[str, torch.Tensor], coef: float) -> torch.Tensor:
     """-coef * sum(token_weight * entropy): the term an entropy bonus adds to the loss."""
-    return -coef * aggregate(batch["entropy"], batch)
+    return -coef * token_weighted_sum(batch["entropy"], batch)
 
 
 class EntropyBonus(Stabilizer):

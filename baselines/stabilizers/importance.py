@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from stabench.baselines.stabilizers.clipping import POLICY_KEYS, aggregate, policy_term
+from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, token_weighted_sum
 from stabench.suite.api import Stabilizer
 
 
@@ -56,7 +56,7 @@ class TokenTIS(Stabilizer):
         weight = torch.exp(self.log_weight(batch)).clamp(max=self.max_weight).detach()
         ratio = torch.exp(batch["logp"] - batch["old_logp"])
         per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
-        return {**terms, "policy": aggregate(weight * per_action, batch)}
+        return {**terms, "policy": token_weighted_sum(weight * per_action, batch)}
 
 
 class SequenceTIS(TokenTIS):
@@ -102,7 +102,7 @@ class TurnLevelIS(Stabilizer):
         weight = torch.exp(log_w).clamp(max=self.max_weight).detach()
         per_token = policy_term(rho, batch["advantages"], low, high)
         bias = ((rho - rho.clamp(1 - low, 1 + high)).abs() * weights).sum().detach()  # 0 until clipping triggers
-        return {**terms, "policy": aggregate(weight * per_token, batch) / (1 + bias)}
+        return {**terms, "policy": token_weighted_sum(weight * per_token, batch) / (1 + bias)}
 
 
 def vtrace(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
@@ -150,4 +150,4 @@ class VTrace(Stabilizer):
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ratio = torch.exp(batch["logp"] - batch["old_logp"])
         per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
-        return {**terms, "policy": aggregate(per_action, batch)}
+        return {**terms, "policy": token_weighted_sum(per_action, batch)}

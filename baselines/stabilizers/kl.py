@@ -1,8 +1,9 @@
 """The KL term to a frozen reference: which estimator enters the loss, and an anchor to the reference.
 
 With d = log ref - log pi on actions sampled from pi (Schulman's estimators of KL(pi || ref)):
-k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d. Expected gradients, on-policy, per token (Shah et al. 2025,
-"A Comedy of Estimators"):
+k1 = -d, k2 = d^2 / 2, k3 = exp(d) - 1 - d, none of them clamped (verl's `low_var_kl` clamps d to [-20, 20]
+and k3 to at most 10; here a token the reference finds far likelier than pi contributes its full exp(d)).
+Expected gradients, on-policy, per token (Shah et al. 2025, "A Comedy of Estimators"):
 
 - k3 in the loss (GRPO's default, as in TRL): the gradient of the FORWARD KL(ref || pi), not of the
   reverse KL(pi || ref) the term is meant to bound; it barely resists mass moving onto tokens the
@@ -31,7 +32,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
-from stabench.baselines.stabilizers.clipping import aggregate
+from stabench.baselines.stabilizers.clipping import token_weighted_sum
 from stabench.suite.api import Stabilizer
 from stabench.suite.diagnostics import kl_estimate
 
@@ -81,7 +82,7 @@ class KLAnchor(Stabilizer):
     replace: ClassVar[bool] = False  # True: the anchor takes the place of the trainer's own KL term
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        anchor = self.coef * aggregate(kl_estimate(batch["logp"], batch["ref_logp"], self.estimator), batch)
+        anchor = self.coef * token_weighted_sum(kl_estimate(batch["logp"], batch["ref_logp"], self.estimator), batch)
         return {**terms, ("kl" if self.replace else "kl_anchor"): anchor}
 
 

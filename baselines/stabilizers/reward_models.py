@@ -25,26 +25,15 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from stabench.baselines.stabilizers.aggregation import group_centred
+from stabench.baselines.stabilizers.aggregation import group_normalized
 from stabench.baselines.stabilizers.kl import KLk2Anchor
 from stabench.suite.api import Stabilizer
 from torch import nn
-
-ADV_EPS = 1e-4  # GRPOConfig.adv_eps
 
 
 def conservative_reward(ensemble: torch.Tensor, k: float) -> torch.Tensor:
     """mean - k * std over the members (last axis) of per-answer predictions [B, M]: [B]."""
     return ensemble.mean(-1) - k * ensemble.std(-1)
-
-
-def group_normalized(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """(R - mean_group R) / (std_group R + ADV_EPS), groups given by an index per answer (unbiased std)."""
-    n = int(group.max()) + 1
-    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
-    centred = group_centred(rewards, group)
-    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, centred**2) / (count - 1).clamp_min(1)
-    return centred / (var.sqrt()[group] + ADV_EPS)
 
 
 def conservative_advantages(batch: Mapping[str, torch.Tensor], k: float, dtype: torch.dtype) -> torch.Tensor:

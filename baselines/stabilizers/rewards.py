@@ -15,24 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from stabench.baselines.stabilizers.aggregation import group_normalized
 from stabench.suite.api import Stabilizer
-from stabench.suite.diagnostics import group_means
-
-ADV_EPS = 1e-4  # GRPO's default (baselines/grpo.py: GRPOConfig.adv_eps)
 
 
 def brier_reward(rewards: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
     """RLCR's reward: R - (c - R)^2 per answer."""
     return rewards - (confidence - rewards) ** 2
-
-
-def group_normalized(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """(R - mean_group R) / (std_group R + ADV_EPS) per answer, the std unbiased as in GRPO."""
-    centred = rewards - group_means(rewards, group)[group]
-    n = int(group.max()) + 1
-    count = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, torch.ones_like(rewards))
-    var = torch.zeros(n, dtype=rewards.dtype).index_add_(0, group, centred**2) / (count - 1).clamp_min(1)
-    return centred / (var.sqrt()[group] + ADV_EPS)
 
 
 class BrierReward(Stabilizer):

@@ -16,10 +16,11 @@ Conventions every token task follows:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -65,15 +66,15 @@ def cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stabench"
 
 
-def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[str, torch.Tensor]:
+def warm_start(name: str, train: Callable[[], nn.Module], source: str | Sequence[str]) -> dict[str, torch.Tensor]:
     """The weights of a task's warm start: trained by `train()` on one thread, or read from the disk cache.
 
     Every worker process of a sweep needs the same warm starts, and training them took seconds per task and
-    worker. The cache key covers what could change the weights: `name`, the source of the task's module
-    (`source`, its path), of this one and of the shared policy code, the torch and transformers versions, the
-    device and the CPU's kernel set; any change trains afresh. Entries are safetensors (no pickle) written
-    atomically, so concurrent workers at worst train the same start twice. A cache that cannot be written is reported
-    as a warning and otherwise ignored.
+    worker. The cache key covers what could change the weights: `name`, the source of the task's module (`source`,
+    its path, or several paths), of this one and of the shared policy code, the torch and transformers versions,
+    the device and the CPU's kernel set; any change trains afresh. Entries are safetensors (no pickle) written
+    atomically, so concurrent workers at worst train the same start twice. A cache that cannot be written is
+    reported as a warning and otherwise ignored.
     """
     import transformers
 
@@ -82,7 +83,8 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
     for part in (name, torch.__version__, transformers.__version__, torch.get_default_device().type,
                  torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode() + b"\0")
-    for path in (source, __file__, shared_tokens.__file__):  # the task, this module, the shared policy code
+    sources = [source] if isinstance(source, str) else list(source)
+    for path in (*sources, __file__, shared_tokens.__file__):  # the task, this module, the shared policy code
         digest.update(Path(path).read_bytes())
     path = None if folder is None else folder / f"{name.replace('/', '-')}-{digest.hexdigest()[:20]}.safetensors"
     if path is not None and path.is_file():
@@ -102,10 +104,32 @@ def warm_start(name: str, train: Callable[[], nn.Module], source: str) -> dict[s
     return state
 
 
+class WarmStart:
+    """A task's warm start as a factory: `warm()` is a fresh model holding the warm weights.
 
+    The weights are trained once per process by `train` (on one thread, cached on disk by `warm_start` under
+    `name`, keyed on the source of the module that defines `train` and of every shared world module, which
+    training code may call); `build` makes the untrained network, under `torch.random.fork_rng` so that building a
+    model never moves the caller's random state.
+    """
 
+    def __init__(self, name: str, train: Callable[[], nn.Module], build: Callable[[], nn.Module]) -> None:
+        self.name, self.train, self.build = name, train, build
+        self._state: dict[str, torch.Tensor] = {}
 
+    def state(self) -> dict[str, torch.Tensor]:
+        if not self._state:
+            worlds = sorted(str(p) for p in Path(__file__).parent.glob("*.py"))
+            sources = [inspect.getsourcefile(self.train) or "", *worlds]
+            self._state.update(warm_start(self.name, self.train, sources))
+        return self._state
 
+    def __call__(self) -> nn.Module:
+        state = self.state()
+        with torch.random.fork_rng():
+            model = self.build()
+        model.load_state_dict(state)
+        return model
 
 
 def enumerate_answers(n_actions: int, length: int) -> torch.Tensor:

@@ -4,9 +4,10 @@ A grid task sees MiniGrid's 7x7x3 egocentric view as one flat float vector (`Img
 divided by 10 so every entry lies in [0, 1]; 147 inputs) and acts with the first three MiniGrid actions
 (turn left, turn right, forward), which are all an empty room needs.
 
-Importing this module registers the flattened worlds under the `stabench/` namespace, for example
-`gymnasium.make("stabench/EmptyFlat-5x5-v0")`: MiniGrid's empty room stepped from a table of MiniGrid's
-own views and transitions (`EmptyRoomFlat`, equal to `flatten_minigrid(EmptyEnv(...))` bit for bit).
+`WORLDS` are the flattened rooms the PPO grid tasks train on, registered under the `stabench/` namespace (the
+dead-layers task declares them), for example `gymnasium.make("stabench/EmptyFlat-5x5-v0")`: MiniGrid's empty
+room stepped from a table of MiniGrid's own views and transitions (`EmptyRoomFlat`, equal to
+`flatten_minigrid(EmptyEnv(...))` bit for bit; entry point `make_empty_flat`).
 `make_vector_env` builds the training vector env: a `SyncVectorEnv` with same-step autoreset whose sub-envs
 record true episode statistics *below* a `RewardScale` wrapper, so a task can multiply the reward the
 learner sees (`vec.set_attr("reward_scale", 1000.0)`) while `info["final_info"]["episode"]["r"]` keeps
@@ -28,6 +29,8 @@ from minigrid.wrappers import ImgObsWrapper
 
 N_ACTIONS = 3  # turn left, turn right, move forward
 OBS_SCALE = 10.0  # largest MiniGrid object index is 10, so obs / 10 lies in [0, 1]
+# The empty rooms the PPO grid tasks train on (flattened MiniGrid rooms, `make_empty_flat`).
+WORLDS: tuple[str, ...] = ("stabench/EmptyFlat-5x5-v0", "stabench/EmptyFlat-8x8-v0")
 
 
 def flat_view(image: np.ndarray) -> np.ndarray:
@@ -259,8 +262,6 @@ def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: st
     """MiniGrid's empty room (start top-left facing right, goal bottom-right unless `goal` says another
     interior cell) with the flat interface."""
     return EmptyRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode, goal=goal)
-
-
 
 
 def optimal_return_empty(size: int) -> float:

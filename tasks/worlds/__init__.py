@@ -1,0 +1,10 @@
+"""What several tasks share, below the tasks: worlds and run scaffolding.
+
+- `tokens`: the token family's tiny policy, sampling, enumeration, answer environments and the warm-start cache.
+- `digits`: the digit world eight reasoning tasks train in (prompts, rules, the warm start, exact held-out
+  statistics, the GRPO settings and budgets they share).
+- `grids`: flattened MiniGrid rooms for the grid family.
+- `scaffold`: the run pieces every task writes the same way (the onset knob, trailing windows, a GRPO run base).
+
+A module here never imports a task module; tasks import from here.
+"""
