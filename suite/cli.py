@@ -89,7 +89,18 @@ def run_sweep(args: argparse.Namespace) -> Path:
     return sweep(args.tasks, tier=args.tier, methods=args.methods, family=args.family, seeds=args.seeds,
                  seed_start=args.seed_start, stabilizers=args.stabilizer or (), detectors=args.detector or (),
                  out=args.out, cpus=args.cpus, address=args.address, grid=args.grid, matrix=args.matrix,
-                 resume=args.resume, extend=args.extend)
+                 resume=args.resume, extend=args.extend, wandb=args.wandb, tensorboard=not args.no_tensorboard)
+
+
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    """Export a finished run's curves for TensorBoard (a run writes them itself; this one is for a folder made
+    before, or with --no-tensorboard, or to put them elsewhere)."""
+    from stabench.suite import curves
+
+    path, runs = curves.export_folder(args.dir, args.out)
+    print(f"{runs} TensorBoard runs -> {path}", file=sys.stderr)
+    print(f"tensorboard --logdir {path}")
+    return 0
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -131,10 +142,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from stabench.suite import leaderboard
 
     rows = leaderboard.read(Path(args.leaderboard))
-    problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector)
+    notes: list[str] = []
+    problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector, notes)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     for problem in problems:
         print(f"mismatch: {problem}", file=sys.stderr)
-    print(f"{len(rows)} rows intact; {len(args.dirs)} run folders recomputed; {len(problems)} mismatches")
+    print(f"{len(rows)} rows intact; {len(args.dirs) - len(notes)} run folders recomputed"
+          + (f" ({len(notes)} with no row)" if notes else "") + f"; {len(problems)} mismatches")
     return 1 if problems else 0
 
 
@@ -142,6 +157,18 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     import pandas as pd
     from stabench.suite import leaderboard
 
+    if args.json or args.hf:  # machine-readable exports (suite/export.py)
+        from stabench.suite import export
+
+        if args.hf:
+            export.check_hf_path(Path(args.hf))  # before anything is read or computed: a bad path writes nothing
+        rows = leaderboard.read(Path(args.leaderboard))
+        if args.json:
+            print(export.to_json(rows, args.leaderboard))
+        else:
+            n = export.write_hf(rows, Path(args.hf), args.leaderboard)
+            print(f"{n} model-index entries -> {args.hf}")
+        return 0
     rows = leaderboard.read(Path(args.leaderboard))
     if not rows:
         print(f"{args.leaderboard}: no rows yet")
@@ -155,17 +182,33 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
 def cmd_paper(args: argparse.Namespace) -> int:
     from stabench.suite import paper
 
+    if args.out is None and (args.dirs or args.rerun):  # a user's run never silently replaces the committed paper
+        raise StabenchError("paper: give your run's paper a folder of its own with --out OUT "
+                            "(--out paper replaces the committed paper)")
+    out = Path(args.out) if args.out is not None else paper.PAPER
+    if out.exists() and not out.is_dir():
+        raise StabenchError(f"paper: --out {out} is a file, not a folder")
     dirs = [Path(d) for d in args.dirs] or [d for d in paper.DEFAULT_RESULTS if d.exists()]
     if args.rerun:
         from stabench.suite import registry, runner
 
         tasks = tuple(n for n in registry.names("task") if not registry.get_task(n).experimental)
         stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
-        out = Path("results/runs") / f"paper-quick-{stamp}"
-        exp = runner.prepare(out, runner.ExperimentSpec(tier="quick", tasks=tasks), resume=False)
+        run = Path("results/runs") / f"paper-quick-{stamp}"
+        exp = runner.prepare(run, runner.ExperimentSpec(tier="quick", tasks=tasks), resume=False)
         runner.execute(exp)
-        dirs = [out]
-    paper.build(dirs, Path(args.out))
+        dirs = [run]
+    paper.build(dirs, out)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from stabench.suite import report
+
+    dirs = [Path(d) for d in args.dir]
+    out = Path(args.out) if args.out else dirs[0] / "report"
+    path = report.build(dirs, out, args.method)
+    print(path)
     return 0
 
 
@@ -196,7 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
     p.add_argument("--matrix", action="store_true",
                    help="every registered stabilizer on every task (where one does not act, it scores as the baseline)")
+    p.add_argument("--wandb", metavar="PROJECT",
+                   help="also log the trials' progress reports to this Weights & Biases project (Ray Tune's "
+                        "WandbLoggerCallback; needs `pip install wandb` and `wandb login`)")
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="skip writing the curves for TensorBoard to OUT/tensorboard (`stabench tensorboard` can later)")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("tensorboard", help="export a finished run's per-iteration metrics as TensorBoard scalars")
+    p.add_argument("dir", help="the --out folder of a finished `stabench run`")
+    p.add_argument("--out", help="the folder of TensorBoard runs (default: DIR/tensorboard; replaced whole)")
+    p.set_defaults(fn=cmd_tensorboard)
 
     p = sub.add_parser("score", help="score a finished run folder (or several, as one table)")
     p.add_argument("dir", nargs="+", help="the --out folder of a `stabench run` (several: their rows joined)")
@@ -206,14 +259,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print, per task, whether the run clears the calibration bar (Markdown)")
     p.add_argument("--detector", action="append",
                    help="replay this detector (FILE.py:Class, entry point or built-in; repeatable) over the stored "
-                        "rows and score it beside the recorded alarm columns")
+                        "rows and score it beside the recorded alarm columns (the leaderboard's detector rows: "
+                        "results/matrix)")
     p.set_defaults(fn=cmd_score)
 
     p = sub.add_parser("paper", help="rebuild the paper's figures, tables and text from raw results")
     p.add_argument("dirs", nargs="*", help="run folders (default: the committed results under results/)")
     p.add_argument("--rerun", action="store_true", help="run the quick tier first and build from it")
-    p.add_argument("--out", default="paper", help="the paper folder (default: paper)")
+    p.add_argument("--out", help="the folder to write into (default: paper, only when building the committed "
+                                 "results; your run's paper needs --out, --out paper replaces the committed one)")
     p.set_defaults(fn=cmd_paper)
+
+    p = sub.add_parser("report", help="a short Markdown report of your run: your methods against the baseline, "
+                                      "the matched fix and the control, return curves, detectors")
+    p.add_argument("dir", nargs="+", help="the --out folder of a `stabench run` (several: their rows joined)")
+    p.add_argument("--out", help="the report folder (default: DIR/report)")
+    p.add_argument("--method", action="append",
+                   help="a method to highlight (repeatable; default: the run's plugin stabilizers)")
+    p.set_defaults(fn=cmd_report)
 
     board = "results/leaderboard.csv"
     p = sub.add_parser("submit", help="validate a finished run and append its rows to the leaderboard")
@@ -221,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", action="append", help="submit this method (repeatable; default: all in the run)")
     p.add_argument("--detector", action="append",
                    help="submit this detector (repeatable): an alarm column of the run, or FILE.py:Class / an entry "
-                        "point replayed over the run's stored rows (detector rows: the canonical run results/quick)")
+                        "point replayed over the run's stored rows (detector rows: the canonical run results/matrix)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_submit)
 
@@ -232,8 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_verify)
 
-    p = sub.add_parser("leaderboard", help="print the leaderboard")
+    p = sub.add_parser("leaderboard", help="print the leaderboard (or export it: --json, --hf)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true",
+                      help="print every row as JSON: per-task values, aggregate and P(improve) with 95%% intervals")
+    form.add_argument("--hf", metavar="OUT",
+                      help="write the rows in Hugging Face's model-index format (evaluation results) to OUT "
+                           "(.yaml, .yml or .json)")
     p.set_defaults(fn=cmd_leaderboard)
     return parser
 

@@ -12,12 +12,15 @@ scores, and the aggregate with its 95% interval:
 - detector track: per task the detector skill score (`suite.scoring`: 100 oracle, about 0 for any
   detector blind to the outcome, unclipped); aggregate the mean over tasks, with a stratified bootstrap
   interval that resamples seeds within each (task, method). Detector rows are computed on the committed
-  canonical quick-tier run (`results/quick`), so every detector is compared on the very same runs: a
-  detector that run did not record is replayed over its stored rows (`stabench submit results/quick
-  --detector FILE.py:Class`, and `stabench verify results/quick --detector FILE.py:Class` to recompute).
+  method matrix (`results/matrix`: every stabilizer on every default task, 10 seeds), so every detector is
+  compared on the very same runs, the most the suite has: a detector that run did not record is replayed over
+  its stored rows (`stabench submit results/matrix --detector FILE.py:Class`, and `stabench verify
+  results/matrix --detector FILE.py:Class` to recompute). Only the rows the track scores are replayed
+  (`scoring.detector_rows`: not the references' runs, not a method's copies of the baseline's).
 `results_digest` is a digest of the raw table the row was computed from, and `row_digest` a digest of
 the row's own fields: a row edited by hand no longer matches it. `stabench verify DIR` recomputes every
-row whose `results_digest` matches DIR's table and reports any difference.
+row whose `results_digest` matches DIR's table and reports any difference; a folder no row was computed from
+has nothing to disagree with and is named in a note, not counted as a mismatch.
 
 Every check runs before anything is written; the append happens under a file lock and replaces the file
 atomically, so a refused submission leaves `leaderboard.csv` byte-identical and concurrent submissions
@@ -196,7 +199,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     if replays:  # detectors the run did not record: replayed over its stored rows (the digest stays the run's)
         from stabench.suite import detectors as library
 
-        table = library.replay_table(table, replays)
+        table = library.replay_table(scoring.detector_rows(table), replays)  # only what the track scores
     keep = [c for c in table.columns if not c.startswith("alarm/") or c.split("/", 1)[1] in names]
     runs = scoring.detector_runs(table[keep], per_run) if names else pd.DataFrame()  # only the requested ones
     for detector in names:
@@ -276,9 +279,11 @@ def submit(directory: Path, path: Path = DEFAULT_PATH, methods: list[str] | None
     return new
 
 
-def verify(path: Path, directories: list[Path], detectors: list[str] | None = None) -> list[str]:
+def verify(path: Path, directories: list[Path], detectors: list[str] | None = None,
+           notes: list[str] | None = None) -> list[str]:
     """Problems found: rows whose scores differ when recomputed from the given run folders. `detectors`:
-    references of replayed detectors (a row names a detector by its class's `name`)."""
+    references of replayed detectors (a row names a detector by its class's `name`). A folder no row was
+    computed from has nothing to disagree with: it is named in `notes` (when given), not in the problems."""
     by_name = {registry.resolve_class("detector", registry.canonical(d)).name: d for d in detectors or []}
     rows = read(path)
     problems = []
@@ -287,7 +292,8 @@ def verify(path: Path, directories: list[Path], detectors: list[str] | None = No
         digest = results_digest(table)
         mine = [r for r in rows if r["results_digest"] == digest]
         if not mine:
-            problems.append(f"{directory}: no leaderboard row was computed from these results")
+            if notes is not None:
+                notes.append(f"{directory}: no leaderboard row was computed from these results, nothing to recompute")
             continue
         fresh = {(r["track"], r["name"]): r for r in compute_rows(
             table, manifest,
@@ -320,7 +326,8 @@ def render_markdown(rows: list[dict], path: Path) -> None:
         if track == "detector":
             runs = sorted({r["results_digest"][:12] for r in mine})
             lines += [f"Computed on the run(s) {', '.join(runs)} (results digest); the canonical rows come from "
-                      "`results/quick`, so every detector is scored on the very same runs.", ""]
+                      "the method matrix `results/matrix` (every stabilizer on every default task, 10 seeds), so "
+                      "every detector is scored on the very same runs.", ""]
         if track == "stabilizer":
             lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
                       "method's cost on healthy training); `=` marks a task where the method does not change the "

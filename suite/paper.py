@@ -7,6 +7,9 @@ no number in the text is typed by hand. The figures are the suite's own (below) 
 (`Task.figures`, drawn by the task's module); `{{text:task_sections}}` prints each task's paragraph (`Task.paper`)
 with its figures. A figure whose task is not in the results is skipped with a line saying so, never drawn empty.
 The matrix's classification lives in `suite.matrix`, the plotting toolkit in `suite.figures`.
+The results section compares like with like: figure 11 and the aggregate table rank only the methods on the common
+default task set and the detector figures and tables score every detector on the same runs, both from the method
+matrix when there is one (as the leaderboard does); the experimental tasks are shown apart, never ranked.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import pandas as pd
 from stabench.suite import matrix as matrix_module
 from stabench.suite import scoring
-from stabench.suite.api import Figure, StabenchError, Task
+from stabench.suite.api import REFERENCE_METHODS, Figure, StabenchError, Task
 from stabench.suite.figures import ONSET_STYLE, Skip, markdown_table, onset_line, save, setup
 
 PAPER = Path("paper")
@@ -43,14 +46,16 @@ MAP_DIAGNOSTICS = ("entropy", "grad_norm_total", "dormant_share", "kl_k1", "kl_k
 
 def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
     """Task x diagnostic: the detector skill score (`suite.scoring`: 100 = oracle, 0 = chance) of Page-Hinkley
-    on each diagnostic, the better of both directions, replayed on every stored run of the task (all
-    methods, what a detector may see); blank = not logged or privileged."""
+    on each diagnostic, the better of both directions, replayed on every stored run of the task that the track
+    scores (all methods, what a detector may see; `build` passes the method matrix when there is one); blank =
+    not logged or privileged."""
     import matplotlib.pyplot as plt
     import seaborn as sns
     from stabench.suite import detectors, registry
     from stabench.suite.detectors import PageHinkley, default_warmup
 
     cells = {}
+    table = scoring.detector_rows(table)  # the rows the track would drop are not replayed
     frame = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     for task_id, rows in frame.groupby("task"):
         task = registry.get_task(rows["task_ref"].iloc[0])
@@ -87,33 +92,170 @@ def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
     return save(fig, out, "01_failure_mode_map")
 
 
-def fig_leaderboard(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Interquartile mean of normalized return per method with stratified bootstrap 95% intervals."""
+def experimental_tasks(table: pd.DataFrame) -> set[str]:
+    """The ids of the table's tasks that are registered as experimental (below the calibration bar)."""
+    from stabench.suite import registry
+
+    by = "task_ref" if "task_ref" in table else "task"
+    pairs = table[["task", by]].drop_duplicates("task").itertuples(index=False)
+    return {task for task, ref in pairs if getattr(registry.resolve_class("task", ref), "experimental", False)}
+
+
+def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
+                     matrix_runs: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """What figure 11 and the aggregate table show: (ranking, apart, note).
+
+    `ranking`: the methods ranked on the common task set by the leaderboard's rule (`scoring.across_tasks`: the
+    baseline's tasks; a method with runs on only some of them is left out, its number would compare tasks rather
+    than methods), best first: method, n_tasks, n_acts, IQM with its interval, P(improve) with its interval, and the
+    failure rate of its injected runs on that set. Read from the method matrix (`matrix_runs`: every method on
+    every default task) when there is one; otherwise from the run's own methods on its non-experimental tasks.
+    `apart`: per task and method (`scoring.stabilizer_track`), the tasks left out of the ranking (the experimental
+    ones), shown beside it, never mixed in. `note`: one sentence saying which set was ranked."""
+    if matrix_runs is not None:
+        ranked_runs = matrix_runs
+        apart_runs = per_run[~per_run["task"].isin(set(matrix_runs["task"]))]
+    else:
+        default = per_run[~per_run["task"].isin(experimental)]
+        ranked_runs = default if len(default) else per_run
+        apart_runs = per_run[~per_run.index.isin(ranked_runs.index)]
+    common = scoring.common_tasks(ranked_runs)
+    injected = ranked_runs[(ranked_runs["variant"] == "injected") & ranked_runs["task"].isin(common)]
+    failure = injected.groupby("method")["failed"].mean()
+    rows = [{"method": r["method"], "n_tasks": r["n_tasks"], "n_acts": len(r["acts_on"]), "iqm": r["iqm"],
+             "ci_low": r["ci_low"], "ci_high": r["ci_high"], "poi": r.get("probability_of_improvement", math.nan),
+             "poi_ci_low": r.get("poi_ci_low", math.nan), "poi_ci_high": r.get("poi_ci_high", math.nan),
+             "failure_rate": float(failure.get(r["method"], math.nan))}
+            for r in scoring.across_tasks(ranked_runs) if r["ranked"]]
+    columns = ["method", "n_tasks", "n_acts", "iqm", "ci_low", "ci_high", "poi", "poi_ci_low", "poi_ci_high",
+               "failure_rate"]
+    ranking = pd.DataFrame(rows, columns=columns).sort_values(["iqm", "method"], ascending=[False, True])
+    apart = pd.DataFrame(scoring.stabilizer_track(None, per_run=apart_runs)) if len(apart_runs) else pd.DataFrame()
+    seeds = int(injected.groupby(["task", "method"])["seed"].nunique().min()) if len(injected) else 0
+    if matrix_runs is not None:
+        note = (f"Ranked on the {len(common)} default tasks of the method matrix (`stabench run --matrix`: every "
+                f"stabilizer on every task, {seeds} seeds), so every method is compared on the same tasks and seeds")
+    else:
+        note = (f"No method matrix was read: the run's own methods, ranked on the {len(common)} tasks common to all "
+                f"of them ({seeds} seeds or more); a method that ran on only some of them is left out")
+    return ranking.reset_index(drop=True), apart, note
+
+
+def ranking_table(ranking: pd.DataFrame) -> pd.DataFrame:
+    """The aggregate table as a reader reads it: one formatted cell per quantity, no lists."""
+    def ci(value: float, low: float, high: float, digits: int) -> str:
+        return "-" if math.isnan(value) else f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+    return pd.DataFrame({
+        "method": ranking["method"],
+        "tasks": [f"{t} (acts on {a})" for t, a in zip(ranking["n_tasks"], ranking["n_acts"])],
+        "IQM [95% CI]": [ci(*v, 3) for v in ranking[["iqm", "ci_low", "ci_high"]].itertuples(index=False)],
+        "P(improve) [95% CI]": [ci(*v, 2) for v in ranking[["poi", "poi_ci_low", "poi_ci_high"]]
+                                .itertuples(index=False)],
+        "failure rate": [f"{v:.2f}" for v in ranking["failure_rate"]],
+    })
+
+
+def apart_table(apart: pd.DataFrame) -> pd.DataFrame:
+    """The tasks kept out of the ranking, per task and method: normalized return with its interval, failure rates."""
+    if apart.empty:
+        return pd.DataFrame()
+    return pd.DataFrame({
+        "task": apart["task"], "method": apart["method"], "role": apart["role"], "seeds": apart["n_seeds"],
+        "normalized return [95% CI]": [f"{v:.3f} [{lo:.3f}, {hi:.3f}]" for v, lo, hi in
+                                       apart[["normalized_return", "ci_low", "ci_high"]].itertuples(index=False)],
+        "failure rate": [f"{v:.2f}" for v in apart["failure_rate"]],
+        "control failure rate": [f"{v:.2f}" for v in apart["control_failure_rate"]],
+    })
+
+
+ROLE_STYLE = {"baseline": ("C3", "o", "baseline"), "matched-fix": ("C2", "D", "matched fix"),
+              "other": ("C0", "o", "other method"), "reference": ("0.45", "x", "reference (does not learn)")}
+
+
+def fig_leaderboard(table: pd.DataFrame, out: Path,
+                    views: tuple[pd.DataFrame, pd.DataFrame, str] | None = None) -> list[Path]:
+    """Left: the ranked methods (`stabilizer_views`: the common default task set, from the method matrix when
+    there is one), IQM of normalized return with stratified bootstrap 95% intervals, best on top. Right, apart:
+    the experimental tasks, each task's methods by role (never ranked with the others)."""
     import matplotlib.pyplot as plt
 
-    agg = pd.DataFrame(scoring.across_tasks(scoring.outcomes(table))).sort_values("iqm")
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(agg) + 1.5))
-    ax.errorbar(agg["iqm"], range(len(agg)), xerr=[agg["iqm"] - agg["ci_low"], agg["ci_high"] - agg["iqm"]],
-                fmt="o", capsize=3)
-    ax.set_yticks(range(len(agg)))
-    ax.set_yticklabels([f"{m} ({n} task{'s' if n > 1 else ''})" for m, n in zip(agg["method"], agg["n_tasks"])])
-    ax.set_xlabel("IQM of normalized return after onset (95% stratified bootstrap CI)")
+    if views is None:
+        views = stabilizer_views(scoring.outcomes(table), experimental_tasks(table))
+    ranking, apart, note = views
+    if ranking.empty:
+        raise Skip("no method ran on the whole common task set")
+    ranking = ranking.iloc[::-1].reset_index(drop=True)  # best on top
+    n_apart = apart["task"].nunique() if len(apart) else 0
+    height = max(0.3 * len(ranking), 0.55 * n_apart) + 2.2
+    if n_apart:
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(15, height), gridspec_kw={"width_ratios": [1.15, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(8, height))
+    roles = {"baseline": "baseline", **{m: "reference" for m in REFERENCE_METHODS}}
+    y = np.arange(len(ranking))
+    for i, row in ranking.iterrows():
+        color, marker, _ = ROLE_STYLE[roles.get(row["method"], "other")]
+        ax.errorbar(row["iqm"], i, xerr=[[row["iqm"] - row["ci_low"]], [row["ci_high"] - row["iqm"]]],
+                    fmt="o", ms=4, capsize=2, color=color)
+    base = ranking[ranking["method"] == "baseline"]
+    if len(base):
+        ax.axvline(float(base["iqm"].iloc[0]), color=ROLE_STYLE["baseline"][0], linestyle=":", linewidth=1,
+                   label="baseline")
     ax.axvline(0, **ONSET_STYLE)
-    ax.set_title("Stabilizer track")
+    ax.set_yticks(y)
+    ax.set_yticklabels(ranking["method"])
+    for label, method in zip(ax.get_yticklabels(), ranking["method"]):
+        label.set_color(ROLE_STYLE[roles.get(method, "other")][0])
+    ax.set_ylim(-0.7, len(ranking) - 0.3)
+    n_tasks = int(ranking["n_tasks"].max())
+    ax.set_xlabel(f"IQM of normalized return after onset over {n_tasks} tasks (95% stratified bootstrap CI)")
+    source = "method matrix" if "of the method matrix" in note else "this run's own methods"
+    ax.set_title(f"Ranked on the common task set ({n_tasks} tasks, {source})")
+    if n_apart:
+        tasks = sorted(apart["task"].unique(), reverse=True)
+        where = {t: i for i, t in enumerate(tasks)}
+        seen = set()
+        for row in apart.itertuples(index=False):
+            role = row.role if row.role in ROLE_STYLE else "other"
+            color, marker, label = ROLE_STYLE[role]
+            yy = where[row.task]
+            first = role not in seen
+            seen.add(role)
+            if role in ("baseline", "matched-fix"):
+                side.errorbar(row.normalized_return, yy, fmt=marker, ms=5, capsize=2, color=color,
+                              xerr=[[row.normalized_return - row.ci_low], [row.ci_high - row.normalized_return]],
+                              label=label if first else None, zorder=3)
+            else:
+                side.scatter(row.normalized_return, yy, marker=marker, s=28 if role == "reference" else 14,
+                             color=color, label=label if first else None, zorder=2)
+            if role == "matched-fix":
+                side.annotate(row.method, (row.normalized_return, yy), textcoords="offset points", xytext=(0, 6),
+                              ha="center", fontsize=7, color=color)
+        side.axvline(0, **ONSET_STYLE)
+        side.set_yticks(range(len(tasks)))
+        side.set_yticklabels(tasks)
+        side.set_ylim(-0.7, len(tasks) - 0.3)
+        side.set_xlabel("normalized return after onset (mean over seeds, 95% CI)")
+        side.set_title("Experimental tasks, apart: each task's own methods (not ranked)")
+        side.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 * 8 / height), ncol=4, frameon=False,
+                    fontsize=8)
     return save(fig, out, "11_stabilizer_leaderboard")
 
 
-def fig_latency(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_latency(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None) -> list[Path]:
     """The detector track: skill score per detector and task with its 95% interval (left), and lead time on
     detected failing runs, alarm before the failure shows in the true return, as a share of the post-onset
-    horizon (right; above 0 = warned before). The legend sits outside both panels."""
+    horizon (right; above 0 = warned before). The legend sits outside both panels. `build` passes the method
+    matrix when there is one (every detector on the same runs, 10 seeds) and its `per_run` outcomes."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    result = pd.DataFrame(scoring.detector_track(table))
+    per_run = scoring.outcomes(table) if per_run is None else per_run
+    runs = scoring.detector_runs(table, per_run)
+    result = pd.DataFrame(scoring.detector_track(table, per_run))
     if result.empty or result["score"].isna().all():
         raise Skip("no failing run in the results")
-    runs = scoring.detector_runs(table)
     runs = runs[runs["lead"].notna()].assign(lead_frac=lambda r: r["lead"] / r["horizon"])
     order = (result.groupby("detector")["score"].mean().sort_values(ascending=False).index.tolist())
     tasks = sorted(result["task"].unique())
@@ -220,23 +362,64 @@ def task_sections(table: pd.DataFrame, drawn: set[str]) -> str:
 
 # ---- tables and text ----------------------------------------------------------------------------------
 
-def write_tables(table: pd.DataFrame, out: Path) -> dict[str, str]:
-    """Generate every table (Markdown and CSV) and the single values the text quotes."""
-    result = scoring.score(table)
+def detector_source(main: pd.DataFrame, per_run: pd.DataFrame, experimental: set[str],
+                    matrix_table: pd.DataFrame | None = None,
+                    matrix_runs: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """The rows the paper's detector figures and tables are scored on, their outcomes, and a sentence saying so:
+    the method matrix when there is one (the leaderboard's detector rows: every detector on the same runs, every
+    method on every default task), otherwise the run's own non-experimental tasks. The tasks left out are scored
+    apart (`write_tables`: `best_detectors_experimental`)."""
+    if matrix_table is not None:
+        runs = scoring.outcomes(matrix_table) if matrix_runs is None else matrix_runs
+        seeds = int(matrix_table.groupby(["task", "method"])["seed"].nunique().min())
+        return matrix_table, runs, (
+            f"Scored on the method matrix: every stabilizer's runs on the {matrix_table['task'].nunique()} default "
+            f"tasks, {seeds} seeds, the runs the leaderboard's detector rows are computed on")
+    default = main[~main["task"].isin(experimental)]
+    table = default if len(default) else main
+    return table, per_run, (f"No method matrix was read: scored on this run's own runs of its "
+                            f"{table['task'].nunique()} non-experimental tasks")
+
+
+def _best_detectors(track: pd.DataFrame) -> pd.DataFrame:
+    """Per task, the best built-in detector (the oracle and the injection reference excluded); a task where no run
+    failed has nothing to detect and no row."""
+    if track.empty:
+        return track
+    track = track.dropna(subset=["score"])
+    best = track[~track["detector"].isin(["oracle", "injection"])].sort_values("score").groupby("task").tail(1)
+    return best.sort_values("task")[["task", "detector", "diagnostic", "score", "ci_low", "ci_high", "median_lead",
+                                      "warned_before"]]
+
+
+def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None,
+                 views: tuple[pd.DataFrame, pd.DataFrame, str] | None = None,
+                 detectors: tuple[pd.DataFrame, pd.DataFrame, str] | None = None) -> dict[str, str]:
+    """Generate every table (Markdown and CSV) and the single values the text quotes. `views`
+    (`stabilizer_views`) and `detectors` (`detector_source`) say what the results section ranks and scores
+    (`build` passes the method matrix's); by default the run's own tasks."""
+    per_run = scoring.outcomes(table) if per_run is None else per_run
+    experimental = experimental_tasks(table)
+    ranking, apart, ranking_note = views or stabilizer_views(per_run, experimental)
+    det_table, det_runs, detector_note = detectors or detector_source(table, per_run, experimental)
+    others = table[~table["task"].isin(set(det_table["task"]))]
     tables = {
-        "stabilizer_track": pd.DataFrame(result["stabilizer_track"]),
-        "aggregate": pd.DataFrame(result["aggregate"]),
-        "detector_track": pd.DataFrame(result["detector_track"]),
+        "stabilizer_track": pd.DataFrame(scoring.stabilizer_track(table, per_run)),
+        "aggregate": ranking,
+        "experimental_returns": apart,
+        "detector_track": pd.DataFrame(scoring.detector_track(det_table, det_runs)),
+        "detector_track_experimental": (pd.DataFrame(scoring.detector_track(others, per_run)) if len(others)
+                                        else pd.DataFrame()),
     }
     tables["tasks"] = task_table(sorted(table["task_ref"].unique()))
+    shown = {"aggregate": ranking_table(ranking), "experimental_returns": apart_table(apart)}
     rendered = {}
     for name, frame in tables.items():
         frame.to_csv(out / "tables" / f"{name}.csv", index=False)
-        text = markdown_table(frame)
+        text = markdown_table(shown.get(name, frame))
         (out / "tables" / f"{name}.md").write_text(text)
         rendered[f"table:{name}"] = text
     stab = tables["stabilizer_track"]
-    det = tables["detector_track"]
     rendered["value:n_tasks"] = str(table["task"].nunique())
     rendered["value:n_runs"] = str(table.groupby(["task", "method", "seed", "variant"]).ngroups)
     rendered["value:n_seeds"] = str(int(stab["n_seeds"].min())) if len(stab) else "0"
@@ -246,10 +429,11 @@ def write_tables(table: pd.DataFrame, out: Path) -> dict[str, str]:
     rendered["value:baseline_failure_mean"] = f"{base['failure_rate'].mean():.2f}" if len(base) else "n/a"
     rendered["value:control_failure_mean"] = f"{base['control_failure_rate'].mean():.2f}" if len(base) else "n/a"
     rendered["value:fix_failure_mean"] = f"{fix['failure_rate'].mean():.2f}" if len(fix) else "n/a"
-    if len(det):
-        best = det[~det["detector"].isin(["oracle", "injection"])].sort_values("score").groupby("task").tail(1)
-        rendered["table:best_detectors"] = markdown_table(best[["task", "detector", "diagnostic", "score", "ci_low",
-                                                           "ci_high", "median_lead", "warned_before"]])
+    rendered["value:ranking_note"] = ranking_note
+    rendered["value:detector_note"] = detector_note
+    rendered["table:best_detectors"] = markdown_table(_best_detectors(tables["detector_track"]))
+    rendered["table:best_detectors_experimental"] = markdown_table(
+        _best_detectors(tables["detector_track_experimental"]))
     return rendered
 
 
@@ -272,9 +456,24 @@ def task_table(refs: list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+TEMPLATE = "paper.template.md"
+
+
+def template_path(out: Path) -> Path | None:
+    """The template `render_text` fills: OUT's own if it has one (the repository's paper/ keeps it beside the
+    text), else the suite's, so that `stabench paper DIR --out OUT` renders text into a fresh folder too: the
+    source tree's `paper/` (a checkout or an editable install: this file is `suite/paper.py`), else the copy a
+    wheel installs as data (pyproject's `data-files`: `<prefix>/share/stabench/`)."""
+    import sysconfig
+
+    candidates = [out / TEMPLATE, Path(__file__).resolve().parent.parent / "paper" / TEMPLATE,
+                  Path(sysconfig.get_path("data")) / "share" / "stabench" / TEMPLATE]
+    return next((c for c in candidates if c.is_file()), None)
+
+
 def render_text(values: dict[str, str], out: Path) -> Path | None:
-    template = out / "paper.template.md"
-    if not template.is_file():
+    template = template_path(out)
+    if template is None:
         return None
     text = template.read_text()
     missing = sorted(set(re.findall(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", text)) - set(values))
@@ -342,11 +541,18 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
         matrix = MATRIX if dirs and all(Path(d) in DEFAULT_RESULTS for d in dirs) else None
     matrix = Path(matrix) if matrix is not None else None
     matrix_table, matrix_reason = matrix_module.load_matrix(matrix)
-    cells = classes = None
+    cells = classes = matrix_runs = None
     if matrix_table is not None:
         matched = matrix_module.matched_fixes(matrix_table)
-        cells = matrix_module.matrix_cells(scoring.outcomes(matrix_table), matched)
+        matrix_runs = scoring.outcomes(matrix_table)
+        cells = matrix_module.matrix_cells(matrix_runs, matched)
         classes = matrix_module.classify(cells, matched)
+    # the results section compares like with like: methods ranked on the common default task set and detectors
+    # scored on the same runs, both from the matrix when there is one; the experimental tasks apart
+    main_runs = scoring.outcomes(main)
+    experimental = experimental_tasks(main)
+    views = stabilizer_views(main_runs, experimental, matrix_runs)
+    detectors = detector_source(main, main_runs, experimental, matrix_table, matrix_runs)
     figures = figure_list()
     drawn: set[str] = set()
     for number, figure in enumerate(figures, start=1):
@@ -355,6 +561,12 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
                 if cells is None:
                     raise Skip(f"the matrix was not run: {matrix_reason}")
                 paths = matrix_module.draw_method_matrix(cells, out)
+            elif figure.draw is fig_leaderboard:
+                paths = fig_leaderboard(main, out, views)
+            elif figure.draw is fig_latency:
+                paths = fig_latency(detectors[0], out, detectors[1])
+            elif figure.draw is fig_failure_map:
+                paths = fig_failure_map(detectors[0], out)
             else:
                 paths = figure.draw(table if figure.grid_cells else main, out)
         except Skip as why:
@@ -363,7 +575,7 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
         written += paths
         drawn.add(figure.name)
         log(f"[{number:>2}/{len(figures)}] {figure.title}: {paths[0].with_suffix('.{pdf,png}')}")
-    values = write_tables(main, out)
+    values = write_tables(main, out, main_runs, views, detectors)
     values["text:task_sections"] = task_sections(main, drawn)
     if cells is not None and classes is not None:
         matrix_module.write_matrix_tables(cells, classes, out)

@@ -9,14 +9,18 @@ storage on a cluster as well as locally; the collector joins them into `DIR/metr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import numbers
 import os
 import shutil
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -138,7 +142,10 @@ def _tune_trainable(config: dict) -> None:
 
     def progress(iteration: int, variant: str, row: dict) -> None:
         ret = row.get("return", math.nan)
-        tune.report({"iteration": iteration, "variant": variant, "return": float(ret), "done": False})
+        # each numeric metric also under its variant's name: what `--wandb` plots (the table holds every row)
+        named = {f"{variant}/{k}": float(v) for k, v in row.items()
+                 if k != "iteration" and isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)}
+        tune.report({**named, "iteration": iteration, "variant": variant, "return": float(ret), "done": False})
 
     table = run_trial(spec, progress)
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,12 +160,46 @@ def _tune_trainable(config: dict) -> None:
 _tune_trainable.__name__ = "stabench_trial"  # Tune restores by trainable name: keep it fixed
 
 
-class ProgressCallback(tune.Callback):
-    """Prints one line per finished trial (Tune's own tables are switched off)."""
+def format_duration(seconds: float) -> str:
+    """`1h05m`, `4m10s`, `12s`: a duration short enough for a progress line."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
-    def __init__(self, total: int, already: int = 0) -> None:
-        self.total, self.finished = total, already
+
+def progress_note(done: int, total: int, elapsed: float, done_here: int) -> str:
+    """`25%, 1m02s elapsed, 2.9 trials/min, ETA 3m06s`: what a progress line adds after its trial.
+
+    The rate is this session's throughput (`done_here` trials finished in `elapsed` seconds; a resumed run's
+    earlier trials do not count), so the ETA of the `total - done` trials left already reflects how many run
+    at once; it is rough while few have finished and trials of different tasks differ in length."""
+    share = f"{100 * done / total:.0f}%" if total else "100%"
+    head = f"{share}, {format_duration(elapsed)} elapsed"
+    if done >= total:
+        return f"{head}, done"
+    if done_here <= 0 or elapsed <= 0:
+        return f"{head}, ETA ?"
+    rate = done_here / elapsed
+    return f"{head}, {60 * rate:.1f} trials/min, ETA {format_duration((total - done) / rate)}"
+
+
+class ProgressCallback(tune.Callback):
+    """Prints one plain line per finished trial with done/total, the trial rate and an ETA (Tune's own tables
+    are switched off; no terminal control codes, so a log file reads like the terminal)."""
+
+    def __init__(self, total: int, already: int = 0, clock: Any = time.monotonic) -> None:
+        self.total, self.finished, self.already = total, already, already
         self.retries: dict[str, int] = {}
+        self.clock, self.started = clock, clock()
+
+    def note(self) -> str:
+        """The progress part of the line for the trial that just finished."""
+        return progress_note(self.finished, self.total, self.clock() - self.started, self.finished - self.already)
 
     def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         t = trial.config["trial"]
@@ -174,14 +215,16 @@ class ProgressCallback(tune.Callback):
         print(
             f"[{self.finished:>3}/{self.total}] {registry.get_task(t['task']).id} {registry.method_name(t['method'])} "
             f"seed={t['seed']}{' ' + cell_name(t['knobs']) if t.get('knobs') else ''}: "
-            f"{r.get('status', '?')} in {r.get('seconds', float('nan')):.1f} s",
+            f"{r.get('status', '?')} in {r.get('seconds', float('nan')):.1f} s; {self.note()}",
             file=sys.stderr,
             flush=True,
         )
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.finished += 1  # it will not run again: it counts as done for the ETA
         t = trial.config["trial"]
-        print(f"[error] {t['task']} {t['method']} seed={t['seed']} failed inside Ray", file=sys.stderr, flush=True)
+        print(f"[{self.finished:>3}/{self.total}] [error] {t['task']} {t['method']} seed={t['seed']} failed inside "
+              f"Ray; {self.note()}", file=sys.stderr, flush=True)
 
 
 def check_address(address: str) -> None:
@@ -211,6 +254,26 @@ def _prune_stale_temp_dirs() -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# Ray's notices a user of the private local Ray cannot act on: it turns token authentication on for every new
+# local cluster and says so ("Set RAY_AUTH_MODE=disabled to opt out") on each run; the Ray is stabench's own
+# and is stopped at the end of the sweep. A cluster given with --address keeps all of its own output.
+QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+
+@contextlib.contextmanager
+def quiet_notices() -> Iterator[None]:
+    """Warnings of `QUIET_LOGGERS` are dropped while the private local Ray starts (errors still show)."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 class RayCluster:
     """Context manager: a private local Ray by default (never someone else's), or an existing cluster."""
 
@@ -231,15 +294,16 @@ class RayCluster:
             # short (Ray's socket paths have a length cap) and named after this process, so that a later
             # run can remove the folder of a driver that was killed before it could clean up
             self.temp_dir = tempfile.mkdtemp(prefix=f"sbray{os.getpid()}_")
-            ray.init(
-                address="local",
-                num_cpus=self.num_cpus or os.cpu_count(),
-                include_dashboard=False,
-                object_store_memory=200 * 1024**2,
-                log_to_driver=False,
-                configure_logging=False,
-                _temp_dir=self.temp_dir,
-            )
+            with quiet_notices():
+                ray.init(
+                    address="local",
+                    num_cpus=self.num_cpus or os.cpu_count(),
+                    include_dashboard=False,  # nobody looks at a dashboard of a Ray that lives for one sweep
+                    object_store_memory=200 * 1024**2,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    _temp_dir=self.temp_dir,
+                )
         return self
 
     def cpus(self) -> int:
@@ -338,8 +402,10 @@ def _extension_base(out: Path, spec: ExperimentSpec) -> tuple[str, ...]:
     return kept
 
 
-def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = None, resume: bool = False) -> Path:
-    """Run the experiment through Ray Tune and write `metrics.parquet` and `trials.csv`.
+def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = None, resume: bool = False,
+            callbacks: tuple[Any, ...] = (), tensorboard: bool = True) -> Path:
+    """Run the experiment through Ray Tune and write `metrics.parquet` and `trials.csv`, and (`tensorboard`) the
+    curves for TensorBoard in `tensorboard/`; `callbacks` are more Tune callbacks (`--wandb`'s).
 
     An extension (`exp.kept`) runs only the trials of the tasks the folder lacks, in a Tune folder of its own,
     and writes the joined table, trial list and manifest at the end (until then the folder is as it was)."""
@@ -367,7 +433,7 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
             print(f"stabench: resuming, {done} of {len(run)} trials already finished", file=sys.stderr)
             tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
             # Tune restores the run config it pickled; give it this session's progress printer.
-            tuner._local_tuner.get_run_config().callbacks = [progress]  # noqa: SLF001
+            tuner._local_tuner.get_run_config().callbacks = [progress, *callbacks]  # noqa: SLF001
         else:
             grid = [asdict(t) for t in run]
             tuner = tune.Tuner(
@@ -379,7 +445,7 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                     storage_path=storage,
                     verbose=0,
                     failure_config=tune.FailureConfig(max_failures=2),
-                    callbacks=[progress],
+                    callbacks=[progress, *callbacks],
                 ),
             )
         results = tuner.fit()
@@ -401,7 +467,25 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
         f"{len(table)} rows -> {exp.out / METRICS}",
         file=sys.stderr,
     )
+    if tensorboard:
+        _export_curves(table, exp.out)
     return exp.out / METRICS
+
+
+def _export_curves(table: pd.DataFrame, out: Path) -> None:
+    """The whole table's curves for TensorBoard (a resumed or extended run's too); the results are already written,
+    so a failure here is a warning, never a lost run."""
+    from stabench.suite import curves
+
+    begun = time.time()
+    try:
+        runs = curves.export(table, out / curves.TENSORBOARD)
+    except (StabenchError, OSError) as exc:
+        print(f"stabench: warning: no TensorBoard curves ({exc}); `stabench tensorboard {out}` retries",
+              file=sys.stderr)
+        return
+    print(f"stabench: {runs} TensorBoard runs in {time.time() - begun:.1f} s -> tensorboard --logdir "
+          f"{out / curves.TENSORBOARD}", file=sys.stderr)
 
 
 def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,

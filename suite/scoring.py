@@ -328,6 +328,16 @@ def visible_failure_at(injected: pd.DataFrame, control: pd.DataFrame | None, tas
     return at
 
 
+def detector_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows the detector track scores: the reference stabilizers' runs and a method's copies of the baseline's
+    runs (`acts` False, in the method matrix) left out, so a replay can skip what would be dropped anyway."""
+    if "role" in table:  # learners that do not learn fail in both branches for want of learning: not the failure
+        table = table[table["role"] != "reference"]
+    if "acts" in table:  # a method's copies of the baseline's runs are not runs of their own
+        table = table[table["acts"].fillna(True).astype(bool)]
+    return table
+
+
 def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (task, detector, method, seed, variant): the run's class and the credit it earns.
 
@@ -342,10 +352,7 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     """
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
-    if "role" in table:  # learners that do not learn fail in both branches for want of learning: not the failure
-        table = table[table["role"] != "reference"]
-    if "acts" in table:  # a method's copies of the baseline's runs are not runs of their own
-        table = table[table["acts"].fillna(True).astype(bool)]
+    table = detector_rows(table)
     table = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     scored = [c.split("/", 1)[1] for c in alarm_columns]

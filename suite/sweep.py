@@ -26,7 +26,7 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
               family: Sequence[str] | None = None, seeds: int | None = None, seed_start: int = 0,
               stabilizers: Sequence[str] = (), detectors: Sequence[str] = (), out: str | Path | None = None,
               cpus: int | None = None, address: str | None = None, grid: str | None = None, matrix: bool = False,
-              resume: bool = False, extend: bool = False) -> Path:
+              resume: bool = False, extend: bool = False, wandb: str | None = None, tensorboard: bool = True) -> Path:
     """Run a sweep to the end and return its folder (the tidy table is `metrics.parquet` in it).
 
     `tasks` defaults to every non-experimental task (`family` keeps those of the named families); `methods` to
@@ -34,7 +34,9 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     `stabilizers` and `detectors` are plugins added to the sweep (the default detectors always run). Names may be
     registered names or plugin references (`path/to/file.py:ClassName`). `out` defaults to
     `results/runs/<tier>-<time>`; `resume` continues the experiment in `out`, `extend` adds the named tasks it
-    lacks."""
+    lacks. `wandb` names a Weights & Biases project that Ray Tune's callback logs the trials' reports to (needs
+    `wandb` installed and logged in); `tensorboard=False` skips the TensorBoard curves (`stabench tensorboard DIR`
+    writes them later)."""
     if tier not in TIERS:
         raise StabenchError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
     if cpus is not None and cpus < 1:
@@ -42,6 +44,12 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     if resume and extend:
         raise StabenchError("--resume and --extend do not go together: finish the run, then extend it")
     from stabench.suite import registry, runner
+
+    callbacks = ()
+    if wandb is not None:  # checked before anything runs; `wandb` is imported only when asked for and installed
+        from stabench.suite.curves import wandb_callback
+
+        callbacks = (wandb_callback(wandb),)
 
     default = (n for n in registry.names("task") if not registry.get_task(n).experimental)
     chosen = tuple(tasks) if tasks else tuple(default)
@@ -74,5 +82,5 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     warning = uncalibrated_warning(tier)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    runner.execute(exp, address=address, num_cpus=cpus, resume=resume)
+    runner.execute(exp, address=address, num_cpus=cpus, resume=resume, callbacks=callbacks, tensorboard=tensorboard)
     return folder

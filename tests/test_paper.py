@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from PIL import Image
 from stabench.suite import paper
@@ -37,6 +38,13 @@ def test_paper_builds_figures_tables_and_text_from_a_fixed_table(tmp_path):
     text = (tmp_path / "paper.md").read_text()
     assert "{{" not in text and "| dead-layers |" in text
     assert "parallel-staleness [" not in text  # grid cells feed only the grid figure, not the tables
+    # no matrix here: the run's own methods ranked on its default tasks (parallel-staleness ran only in grid
+    # cells), the experimental dead-layers apart
+    aggregate = (tmp_path / "tables" / "aggregate.md").read_text()
+    assert "No method matrix was read" in text and "['" not in aggregate
+    assert "| kl-max | 1 (acts on 1) |" in aggregate and "| baseline |" in aggregate  # kl-estimator-bias alone
+    assert "multiskip-residual" not in aggregate and "dead-layers" not in aggregate
+    assert "| dead-layers | multiskip-residual |" in (tmp_path / "tables" / "experimental_returns.md").read_text()
 
 
 def test_a_template_asking_for_a_table_nobody_makes_is_an_error(tmp_path):
@@ -76,3 +84,59 @@ def test_every_default_and_experimental_task_has_a_paragraph_and_the_figures_are
     assert all(len(cls.paper.split()) >= 20 for cls in classes), [c.id for c in classes if len(c.paper.split()) < 20]
     names = [f.name for f in paper.figure_list()]
     assert names == sorted(set(names)) and "13_method_matrix" in names and "14_degenerate_comparisons" in names
+
+
+def constructed_runs() -> pd.DataFrame:
+    """Outcomes of two default tasks and one experimental one: `fix` acts on task-a and is the baseline's copy on
+    task-b (as in the method matrix), `only-a` ran on task-a alone, `exp-fix` on the experimental task alone and
+    scores far above everything (as chain does on policy-churn)."""
+    base = {"task-a": [0.1, 0.2, 0.3, 0.2], "task-b": [0.5, 0.4, 0.6, 0.5], "exp-x": [0.0, 0.1, 0.0, 0.1]}
+    plan = [("baseline", "task-a", 0.0, True), ("baseline", "task-b", 0.0, True), ("baseline", "exp-x", 0.0, True),
+            ("fix", "task-a", 0.6, True), ("fix", "task-b", 0.0, False), ("only-a", "task-a", 0.7, True),
+            ("exp-fix", "exp-x", 1.2, True)]
+    rows = []
+    for method, task, shift, acts in plan:
+        role = "baseline" if method == "baseline" else "matched-fix" if method == "exp-fix" else "other"
+        for seed, value in enumerate(base[task]):
+            for variant in ("injected", "control"):
+                nr = value + shift if variant == "injected" else 1.0
+                rows.append({"task": task, "method": method, "role": role, "acts": acts, "seed": seed,
+                             "variant": variant, "failed": variant == "injected" and nr < 0.5, "diverged": False,
+                             "normalized_return": nr, "post_onset_return": nr, "drawdown": 0.0})
+    return pd.DataFrame(rows)
+
+
+def test_the_stabilizer_figure_ranks_only_methods_on_the_common_default_set_and_shows_experimental_tasks_apart():
+    import numpy as np
+    from scipy import stats
+
+    per_run = constructed_runs()
+    ranking, apart, note = paper.stabilizer_views(per_run, {"exp-x"})
+    assert list(ranking["method"]) == ["fix", "baseline"]  # only-a and exp-fix lack the common set: not ranked
+    assert (ranking["n_tasks"] == 2).all() and list(ranking["n_acts"]) == [1, 2]
+    base = per_run[(per_run.method == "baseline") & (per_run.variant == "injected") & (per_run.task != "exp-x")]
+    assert ranking.set_index("method").loc["baseline", "iqm"] == stats.trim_mean(base.normalized_return, 0.25)
+    fails = [False] * 4 + [False, True, False, False]  # task-b's seed 1 (0.4 < 0.5) fails
+    assert ranking.set_index("method").loc["fix", "failure_rate"] == np.mean(fails)
+    assert set(apart["task"]) == {"exp-x"} and set(apart["method"]) == {"baseline", "exp-fix"}
+    assert note.startswith("No method matrix was read")
+    # with a matrix, the ranking is the matrix's and every task it lacks is shown apart
+    matrix_runs = per_run[per_run.task != "exp-x"]
+    ranking, apart, note = paper.stabilizer_views(per_run[per_run.method == "baseline"], {"exp-x"}, matrix_runs)
+    assert list(ranking["method"]) == ["fix", "baseline"] and "method matrix" in note
+    assert set(apart["task"]) == {"exp-x"}
+    shown = paper.ranking_table(ranking)
+    assert list(shown.columns) == ["method", "tasks", "IQM [95% CI]", "P(improve) [95% CI]", "failure rate"]
+    assert all(isinstance(v, str) and "'" not in v for v in shown.to_numpy().ravel())  # no Python lists in cells
+    assert shown.loc[0, "tasks"] == "2 (acts on 1)"
+
+
+def test_the_stabilizer_figure_is_drawn_from_its_views(tmp_path):
+    (tmp_path / "figures").mkdir()
+    views = paper.stabilizer_views(constructed_runs(), {"exp-x"})
+    paths = paper.fig_leaderboard(None, tmp_path, views)
+    with Image.open(paths[1]) as image:
+        image.verify()
+        assert image.size[0] > 1000  # two panels: the ranking and the experimental tasks apart
+    with pytest.raises(paper.Skip):
+        paper.fig_leaderboard(None, tmp_path, (views[0].iloc[:0], views[1], views[2]))
