@@ -62,6 +62,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines import adam
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
 
@@ -148,6 +149,10 @@ class ReplayBuffer:
         self.pos = int((self.pos + len(obs)) % self.capacity)
         self.size = min(self.size + len(obs), self.capacity)
 
+    def sample_obs(self, rng: np.random.Generator, n: int) -> torch.Tensor:
+        """The observations of a sample: the same draw from `rng` as `sample(rng, n)["obs"]`, without the rest."""
+        return torch.from_numpy(self.obs[rng.integers(0, self.size, n)])
+
     def sample(self, rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
         idx = rng.integers(0, self.size, n)
         return {
@@ -169,7 +174,8 @@ class DQN:
         self.rng = np.random.default_rng(config.seed)
         self.model = self.stabilizer.model(model, getattr(model, "spec", {}))
         self.target = self._clone(self.model)
-        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        # foreach: on the CPU the same per-tensor arithmetic as the default loop, without Python per parameter
+        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps, foreach=True)
         self.optimizer = self.stabilizer.optimizer(opt, self.model)
         self.updates_per_iteration = config.updates_per_iteration
 
@@ -248,17 +254,16 @@ class DQN:
         terms: dict[str, torch.Tensor] = {}
         heldout: list[torch.Tensor] = []
         in_batch: list[torch.Tensor] = []
-        for _ in range(n_updates):
+        for u in range(n_updates):
             if self.heldout_obs is not None:
                 with torch.no_grad():
                     heldout.append(model(self.heldout_obs))
             mb = self.buffer.sample(self.rng, cfg.batch_size)
-            mb["ref_obs"] = self.buffer.sample(self.rng, cfg.ref_batch_size)["obs"]
-            if self.heldout_obs is not None:
-                mask = torch.zeros(len(self.heldout_obs), dtype=torch.bool)
-                for row in mb["obs"].numpy():
-                    mask[self.heldout_index.get(row.tobytes(), [])] = True
-                in_batch.append(mask)
+            mb["ref_obs"] = self.buffer.sample_obs(self.rng, cfg.ref_batch_size)
+            if self.heldout_obs is not None:  # the mask is built in numpy: a torch write per row cost microseconds
+                mask = np.zeros(len(self.heldout_obs), dtype=bool)
+                mask[[i for row in mb["obs"].numpy() for i in self.heldout_index.get(row.tobytes(), ())]] = True
+                in_batch.append(torch.from_numpy(mask))
             with torch.no_grad():
                 next_q = self.target(mb["next_obs"]).max(-1).values
                 mb["td_target"] = mb["rewards"] + cfg.gamma * (1.0 - mb["terminated"]) * next_q
@@ -270,11 +275,12 @@ class DQN:
             if not torch.isfinite(loss):
                 raise Diverged(f"non-finite DQN loss {float(loss.detach())} at iteration {self.iteration}")
 
-            self.optimizer.zero_grad(set_to_none=True)
+            adam.zero_grad(self.optimizer)
             loss.backward()
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            if u == n_updates - 1:  # only the last update's gradients are reported
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             self.stabilizer.after_backward(model)
-            self.optimizer.step()
+            adam.step(self.optimizer)
             self.updates += 1
             if self.updates % cfg.target_every == 0:
                 with torch.no_grad():

@@ -54,6 +54,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from stabench.baselines import adam
 from stabench.baselines.losses import LossReport, ratio_statistics
 from stabench.baselines.tokens import (
     RewardFn,
@@ -120,7 +121,9 @@ class GRPO:
         spec = {"kind": "causal-lm", "trainer": self.name, "model_config": policy.config.to_dict(), **asdict(config)}
         self.policy = stabilizer.model(policy, spec)
         self.reference = reference.eval().requires_grad_(False)  # frozen: never updated
-        self.optimizer = stabilizer.optimizer(torch.optim.Adam(self.policy.parameters(), lr=config.lr), self.policy)
+        # foreach: on the CPU the same per-tensor arithmetic as the default loop, without Python per parameter
+        opt = torch.optim.Adam(self.policy.parameters(), lr=config.lr, foreach=True)
+        self.optimizer = stabilizer.optimizer(opt, self.policy)
         self.rng = np.random.default_rng(config.seed)
         self.iteration = 0
         self.tokens = 0  # answer tokens generated so far
@@ -210,13 +213,13 @@ class GRPO:
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite GRPO loss at iteration {self.iteration}: {float(loss)}")
-                self.optimizer.zero_grad(set_to_none=True)
+                adam.zero_grad(self.optimizer)
                 loss.backward()
                 # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
                 grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
                 self.stabilizer.after_backward(self.policy)
-                self.optimizer.step()
+                adam.step(self.optimizer)
                 report.add({"loss": float(loss.detach()), **reported})
 
         self.iteration += 1

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 import torch
+from stabench.baselines import adam
 from stabench.baselines.losses import LossReport, ratio_statistics, upper_quantile  # noqa: F401  (re-exported)
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
@@ -253,12 +254,12 @@ class PPO:
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite PPO loss {float(loss)} at iteration {self.iteration}")
 
-                self.optimizer.zero_grad(set_to_none=True)
+                adam.zero_grad(self.optimizer)
                 loss.backward()
                 if epoch == cfg.update_epochs - 1 and k == cfg.num_minibatches - 1:
                     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
                 self.stabilizer.after_backward(model)
-                self.optimizer.step()
+                adam.step(self.optimizer)
 
                 report.add({"loss": float(loss.detach()), "policy_loss": float(pg_loss.detach()),
                             "value_loss": float(v_loss.detach()), "entropy_loss": float(entropy_mean.detach()),

@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from stabench.baselines import adam
 from stabench.baselines.losses import LossReport, ratio_statistics
 from stabench.baselines.tokens import RewardFn, answer_logits, answer_mask, bos_prompts, sample_answers
 from stabench.suite.api import Diverged, Stabilizer, TrainState
@@ -152,7 +153,9 @@ class TokenPPO:
         self.config, self.reward_fn, self.stabilizer = config, reward_fn, stabilizer
         spec = {"kind": "causal-lm", "trainer": self.name, "model_config": policy.config.to_dict(), **asdict(config)}
         self.policy = stabilizer.model(policy, spec)
-        self.optimizer = stabilizer.optimizer(torch.optim.Adam(self.policy.parameters(), lr=config.lr), self.policy)
+        # foreach: on the CPU the same per-tensor arithmetic as the default loop, without Python per parameter
+        opt = torch.optim.Adam(self.policy.parameters(), lr=config.lr, foreach=True)
+        self.optimizer = stabilizer.optimizer(opt, self.policy)
         self.reset_critic(critic)
         self.rng = np.random.default_rng(config.seed)
         # sample(policy, prompts, length, n_actions, rng) -> answers [B, L]; a task may swap in an exact sampler
@@ -164,7 +167,7 @@ class TokenPPO:
     def reset_critic(self, critic: nn.Module) -> None:
         """Replace the critic (and its optimizer state); `critic_age` starts again from 0."""
         self.critic = critic
-        self.critic_optimizer = torch.optim.Adam(critic.parameters(), lr=self.config.critic_lr)
+        self.critic_optimizer = torch.optim.Adam(critic.parameters(), lr=self.config.critic_lr, foreach=True)
         self.critic_age = 0
         self.critic_resets = getattr(self, "critic_resets", -1) + 1  # 0 for the critic the trainer was built with
 
@@ -252,15 +255,15 @@ class TokenPPO:
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite token-PPO loss at iteration {self.iteration}: {float(loss)}")
-                self.optimizer.zero_grad(set_to_none=True)
-                self.critic_optimizer.zero_grad(set_to_none=True)
+                adam.zero_grad(self.optimizer)
+                adam.zero_grad(self.critic_optimizer)
                 loss.backward()
                 # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
                 grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
                 self.stabilizer.after_backward(self.policy)
-                self.optimizer.step()
-                self.critic_optimizer.step()
+                adam.step(self.optimizer)
+                adam.step(self.critic_optimizer)
                 report.add({"loss": float(loss.detach()), **reported})
 
         self.iteration += 1

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from stabench.baselines import adam
 from stabench.baselines.losses import LossReport, ratio_statistics
 from stabench.baselines.tokens import group_std, on_default_device
 from stabench.suite.api import Diverged, Stabilizer, TrainState
@@ -89,7 +90,9 @@ class ToolPPO:
         self.config, self.world, self.stabilizer = config, world, stabilizer
         spec = {"kind": "token-mlp", "trainer": self.name, "n_actions": world.n_actions}
         self.policy = stabilizer.model(policy, spec)
-        self.optimizer = stabilizer.optimizer(torch.optim.Adam(self.policy.parameters(), lr=config.lr), self.policy)
+        # foreach: on the CPU the same per-tensor arithmetic as the default loop, without Python per parameter
+        opt = torch.optim.Adam(self.policy.parameters(), lr=config.lr, foreach=True)
+        self.optimizer = stabilizer.optimizer(opt, self.policy)
         self.rng = np.random.default_rng(config.seed)
         self.iteration = 0
         self.tokens = 0  # policy tokens generated so far
@@ -171,13 +174,13 @@ class ToolPPO:
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite tool-PPO loss at iteration {self.iteration}: {float(loss)}")
-                self.optimizer.zero_grad(set_to_none=True)
+                adam.zero_grad(self.optimizer)
                 loss.backward()
                 # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
                 grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
                 minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
                 self.stabilizer.after_backward(self.policy)
-                self.optimizer.step()
+                adam.step(self.optimizer)
                 report.add({"loss": float(loss.detach()), **reported})
 
         with torch.no_grad():

@@ -7,9 +7,11 @@ the runner ships this function to Ray Tune's workers.
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import json
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -57,6 +59,30 @@ def seed_everything(seed: int) -> None:
 
 BRANCH_SEED_OFFSET = 1_000_003  # both branches of a seed restart from the same RNG state (paired)
 
+_ALLOCATOR_TUNED = False
+KEEP_FREED_BYTES = 256 << 20  # glibc's mmap and trim thresholds while trials run
+
+
+def keep_freed_memory() -> None:
+    """Let glibc keep freed memory in the process instead of returning it to the system at once.
+
+    By default glibc serves every allocation above 128 KiB (a held-out enumeration's activations, say) with a
+    fresh `mmap` and unmaps it when freed, so every such tensor costs page faults on first touch: in the token
+    tasks' exact evaluations that was about half the time of the elementwise operations. Raising the mmap and
+    trim thresholds to `KEEP_FREED_BYTES` makes the heap reuse those blocks. Only where memory comes from: every
+    number is the same. Once per process; a no-op off glibc."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED or not sys.platform.startswith("linux"):
+        return
+    _ALLOCATOR_TUNED = True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's mallopt parameters
+        libc.mallopt(m_mmap_threshold, KEEP_FREED_BYTES)
+        libc.mallopt(m_trim_threshold, KEEP_FREED_BYTES)
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        pass
+
 
 def branch_at_onset(run: Any, stabilizer: Any) -> Any:
     """A complete copy of `run` at the onset iteration; the `frozen-at-onset` reference stops learning there.
@@ -86,6 +112,7 @@ def run_trial(spec: TrialSpec, on_progress: Callable[[int, str, dict], None] | N
     import torch
 
     torch.set_num_threads(1)
+    keep_freed_memory()
     task = registry.get_task(spec.task, **dict(spec.knobs))
     budget = task.budget(spec.tier)
     method = registry.method_name(spec.method)

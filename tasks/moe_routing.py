@@ -164,7 +164,8 @@ class ReplayRouter(MixtralTopKRouter):
         return logits, scores, chosen
 
     def _keys(self) -> list[tuple[int, bytes]]:
-        return [(self.layer, row.cpu().numpy().tobytes()) for row in self.routes.rows]
+        # rows of one numpy array: the same bytes as each row's own tensor, without a tensor per row
+        return [(self.layer, row.tobytes()) for row in self.routes.rows.cpu().numpy()]
 
     def _remember(self, store: dict, chosen: torch.Tensor) -> None:
         for key, experts in zip(self._keys(), chosen, strict=True):

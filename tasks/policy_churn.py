@@ -93,7 +93,13 @@ from stabench.baselines.dqn import DQN, DQNConfig, QNetwork, q_spec, softmax_ent
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.suite.figures import lines, need
-from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
+from stabench.tasks.worlds.grids import (
+    N_ACTIONS,
+    OBS_SCALE,
+    RandomStartRoomFlat,
+    flatten_minigrid,
+    make_vector_env,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -111,7 +117,14 @@ DQN_CONFIG = DQNConfig(num_envs=8, num_steps=16, updates_per_iteration=32, batch
 
 
 def make_empty_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
-    """MiniGrid's empty room, start cell and direction uniformly random, goal bottom-right, flat interface."""
+    """MiniGrid's empty room, start cell and direction uniformly random, goal bottom-right, flat interface: stepped
+    from its table (`RandomStartRoomFlat`, equal to `minigrid_empty_random_flat` bit for bit, starts included)."""
+    return RandomStartRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode)
+
+
+def minigrid_empty_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS,
+                               render_mode: str | None = None) -> gym.Env:
+    """The same world as MiniGrid itself steps it (the reference the table-driven room is tested against)."""
     return flatten_minigrid(EmptyEnv(size=size, agent_start_pos=None, max_steps=max_steps, render_mode=render_mode))
 
 

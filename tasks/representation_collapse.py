@@ -95,7 +95,7 @@ from stabench.baselines.stabilizers.representation import IsotropicGaussian
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
 from stabench.suite.figures import need, onset_line, save
-from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, flatten_minigrid, make_vector_env
+from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, flat_view, flatten_minigrid, make_vector_env
 from stabench.tasks.worlds.scaffold import Trailing
 from torch import nn
 
@@ -176,8 +176,121 @@ class TwoGoalsEnv(MiniGridEnv):
 
 
 def make_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
-    """The world with the grids family's interface: flat 75-dim view / 10, three actions."""
+    """The world with the grids family's interface: flat 75-dim view / 10, three actions. Stepped from its table
+    (`TwoGoalsFlat`, equal to `minigrid_two_goals` bit for bit, the random cue and start included)."""
+    return TwoGoalsFlat(size=size, max_steps=max_steps, render_mode=render_mode)
+
+
+def minigrid_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
+    """The same world as MiniGrid steps it (the reference the table-driven world is tested against)."""
     return flatten_minigrid(TwoGoalsEnv(size=size, max_steps=max_steps, render_mode=render_mode))
+
+
+@functools.cache
+def _flat_views(size: int) -> tuple[np.ndarray, dict[tuple[int, int, int, int], int], np.ndarray, np.ndarray]:
+    """Every (cue, x, y, direction) of the interior, goals included: its view as `FlatObs` writes it, its index,
+    the state after each action (as `world_table` moves) and the goal it stands on (-1: none)."""
+    env = TwoGoalsEnv(size=size)
+    env.reset(seed=0)
+    cells = tuple((x, y) for y in range(1, size - 1) for x in range(1, size - 1))
+    states = [(c, x, y, d) for c in range(len(CUE_COLOURS)) for x, y in cells for d in range(4)]
+    index = {s: i for i, s in enumerate(states)}
+    views, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
+    for i, (c, x, y, d) in enumerate(states):
+        env._build(env.width, env.height, c)
+        env.agent_pos, env.agent_dir = (x, y), d
+        views.append(flat_view(env.gen_obs()["image"]))
+        fx, fy = x + DIR_VEC[d][0], y + DIR_VEC[d][1]
+        ax, ay = (fx, fy) if (fx, fy) in cells else (x, y)
+        nxt[i] = [index[(c, x, y, (d - 1) % 4)], index[(c, x, y, (d + 1) % 4)], index[(c, ax, ay, d)]]
+    env.close()
+    goal = np.array([GOALS.index((x, y)) if (x, y) in GOALS else -1 for _, x, y, _ in states], dtype=np.int64)
+    return np.stack(views), index, nxt, goal
+
+
+class TwoGoalsFlat(gym.Env):
+    """`flatten_minigrid(TwoGoalsEnv(...))` stepped from a table of its views and moves, bit for bit.
+
+    `reset` draws the cue and then the start from `np_random` with MiniGrid's calls in MiniGrid's order (the cue,
+    then `place_agent`: a cell of the whole grid by rejection, x then y, until it is free; then a direction);
+    `step` counts the step, moves as MiniGrid does, ends the episode on either goal with MiniGrid's
+    1 - 0.9 t / max_steps on the paying one and 0 on the other, truncates at `max_steps` and returns the view
+    `FlatObs` would. `paying` and `cued` are `TwoGoalsEnv`'s (the task sets them on the vector env). MiniGrid
+    re-renders the view and passes it through three wrappers on every step: most of the task's environment time.
+    """
+
+    metadata = {"render_modes": ["human", "rgb_array"], "render_fps": 10}
+
+    def __init__(self, size: int = SIZE, max_steps: int = MAX_STEPS, paying: int = 0,
+                 render_mode: str | None = None) -> None:
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
+        self.size, self.max_steps, self.render_mode = size, max_steps, render_mode
+        self.paying, self.cued, self.cue = int(paying), False, 0
+        self._views, self._index, self._next, self._goal = _flat_views(size)
+        self._states = list(self._index)  # state index -> (cue, x, y, direction)
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=self._views.shape[1:], dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(N_ACTIONS)
+        self.state, self.step_count = 0, 0
+        self._painter: TwoGoalsEnv | None = None
+
+    def paying_goal(self) -> int:
+        return (self.cue ^ self.paying) if self.cued else self.paying
+
+    @property
+    def agent_pos(self) -> tuple[int, int]:
+        """The agent's cell, as MiniGrid's attribute."""
+        return self._states[self.state][1:3]
+
+    @property
+    def agent_dir(self) -> int:
+        """The agent's heading, as MiniGrid's attribute (0 right, 1 down, 2 left, 3 up)."""
+        return self._states[self.state][3]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        rng = self.np_random
+        self.cue = int(rng.integers(0, len(CUE_COLOURS)))  # TwoGoalsEnv._gen_grid: the cue, then place_agent
+        while True:
+            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
+            if 0 < x < self.size - 1 and 0 < y < self.size - 1 and (x, y) not in GOALS:
+                break
+        self.state, self.step_count = self._index[(self.cue, x, y, int(rng.integers(0, 4)))], 0
+        if self.render_mode == "human":
+            self.render()
+        return self._views[self.state].copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        a = int(action)
+        if not 0 <= a < N_ACTIONS:
+            raise ValueError(f"action {action!r} is not one of the world's {N_ACTIONS} actions")
+        self.step_count += 1
+        self.state = int(self._next[self.state, a])
+        goal = int(self._goal[self.state])
+        terminated = goal >= 0
+        reward = 0.0
+        if terminated and goal == self.paying_goal():
+            reward = float(1 - 0.9 * (self.step_count / self.max_steps))  # MiniGrid's _reward
+        truncated = self.step_count >= self.max_steps
+        if self.render_mode == "human":
+            self.render()
+        return self._views[self.state].copy(), reward, terminated, truncated, {}
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode is None:
+            return None
+        if self._painter is None:
+            self._painter = TwoGoalsEnv(size=self.size, max_steps=self.max_steps, render_mode=self.render_mode)
+            self._painter.reset(seed=0)
+        cue, x, y, d = self._states[self.state]
+        self._painter._build(self._painter.width, self._painter.height, cue)
+        self._painter.agent_pos, self._painter.agent_dir, self._painter.step_count = (x, y), d, self.step_count
+        return self._painter.render()
+
+    def close(self) -> None:
+        if self._painter is not None:
+            self._painter.close()
+            self._painter = None
 
 
 @dataclass(frozen=True)
@@ -385,7 +498,7 @@ class RepresentationCollapseRun:
 
     def new_optimizer(self, model: nn.Module) -> None:
         cfg = self.trainer.cfg
-        opt = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+        opt = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True)
         self.trainer.optimizer = self.stabilizer.optimizer(opt, model)
 
     def fresh_network(self, period: int) -> None:

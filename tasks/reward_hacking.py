@@ -191,7 +191,7 @@ class RewardEnsemble:
                        tensor(1 / math.sqrt(h), size, h, 1), torch.zeros(size, 1, 1)]  # fmt: skip
         for p in self.params:
             p.requires_grad_(True)
-        self.optimizer = torch.optim.Adam(self.params, lr=RM_LR)
+        self.optimizer = torch.optim.Adam(self.params, lr=RM_LR, foreach=True)
         self.size = size
         self.x = torch.zeros(0, d)
         self.y = torch.zeros(0)

@@ -22,6 +22,8 @@ from stabench.tasks.policy_churn import (
     PolicyChurn,
     RelabeledEnvs,
     frozen_units,
+    make_empty_random_flat,
+    minigrid_empty_random_flat,
     optimal_return,
     state_table,
 )
@@ -126,6 +128,36 @@ def test_dqn_hooks_order_and_train_state() -> None:
     assert set(state.grads) == {n for n, _ in dqn.model.named_parameters()}
     assert 0.0 < state.losses["entropy"] <= math.log(3) + 1e-6
     assert state.batch["ref_obs"].shape == (TINY.ref_batch_size, 147)
+
+
+def test_heldout_in_batch_marks_exactly_the_heldout_observations_in_the_td_batch() -> None:
+    torch.manual_seed(0)
+    table = state_table()
+    dqn = DQN(make_vector_env(ENV_ID, TINY.num_envs), QNetwork(q_spec(147, 3, 16, 1)), TINY, heldout_obs=table.obs)
+    for _ in range(3):
+        state = dqn.iterate()
+    batch = state.batch["obs"]  # the last update's TD batch and its row of the mask
+    want = torch.tensor([bool((batch == row).all(1).any()) for row in table.obs])
+    assert want.any() and torch.equal(state.extras["heldout_in_batch"][-1], want)
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_table_driven_world_steps_and_starts_exactly_as_minigrid(seed: int) -> None:
+    fast, slow = make_empty_random_flat(), minigrid_empty_random_flat()
+    got, want = fast.reset(seed=seed)[0], slow.reset(seed=seed)[0]
+    assert np.array_equal(got, want) and got.dtype == want.dtype
+    rng, ends = np.random.default_rng(seed), {"terminated": 0, "truncated": 0}
+    for _ in range(3000):
+        action = int(rng.choice(3, p=[0.2, 0.2, 0.6]))
+        got, want = fast.step(action), slow.step(action)
+        assert np.array_equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+        assert got[1] == want[1] and got[2] == want[2] and got[3] == want[3]  # reward bit for bit
+        if got[2] or got[3]:
+            ends["terminated" if got[2] else "truncated"] += 1
+            assert np.array_equal(fast.reset()[0], slow.reset()[0])  # the next random start, the same draws
+            assert fast.agent_pos == tuple(int(v) for v in slow.unwrapped.agent_pos)
+            assert fast.agent_dir == int(slow.unwrapped.agent_dir)
+    assert ends["terminated"] >= 20 and ends["truncated"] >= 20
 
 
 def test_dqn_raises_diverged_on_non_finite_loss() -> None:

@@ -29,6 +29,8 @@ from stabench.tasks.representation_collapse import (  # noqa: E402
     RepresentationCollapse,
     confident_shortfall,
     cue_gap,
+    make_two_goals,
+    minigrid_two_goals,
     world_table,
 )
 
@@ -104,6 +106,40 @@ def test_env_passes_check_env_and_matches_the_exact_table() -> None:
     # the cue is visible: the two cues' views of the same cell and direction differ, on the walls only
     diff = (table.obs[:36] - table.obs[36:]).abs()
     assert (diff.sum(1) > 0).all() and set(np.unique(diff.numpy()).round(3)) == {0.0, 0.5}
+
+
+@pytest.mark.parametrize(("seed", "paying", "cued"), [(0, 0, False), (1, 1, False), (2, 0, True), (3, 1, True)])
+def test_table_driven_world_steps_and_starts_exactly_as_minigrid(seed: int, paying: int, cued: bool) -> None:
+    fast, slow = make_two_goals(), minigrid_two_goals()
+    for env in (fast, slow):
+        env.unwrapped.paying, env.unwrapped.cued = paying, cued
+    got, want = fast.reset(seed=seed)[0], slow.reset(seed=seed)[0]
+    assert np.array_equal(got, want) and got.dtype == want.dtype
+    rng, ends = np.random.default_rng(seed), {"paid": 0, "unpaid": 0, "truncated": 0}
+    for _ in range(2000):
+        action = int(rng.choice(3, p=[0.25, 0.25, 0.5]))
+        got, want = fast.step(action), slow.step(action)
+        assert np.array_equal(got[0], want[0]) and got[0].dtype == want[0].dtype
+        assert got[1] == want[1] and got[2] == want[2] and got[3] == want[3]  # reward bit for bit
+        if got[2] or got[3]:
+            ends["truncated" if not got[2] else "paid" if got[1] > 0 else "unpaid"] += 1
+            assert np.array_equal(fast.reset()[0], slow.reset()[0])  # the next cue and start, the same draws
+            base = slow.unwrapped
+            assert (fast.cue, fast.agent_pos, fast.agent_dir) == (base.cue, tuple(int(v) for v in base.agent_pos),
+                                                                   int(base.agent_dir))
+    assert min(ends.values()) >= 20
+
+
+def test_table_driven_world_renders_as_minigrid() -> None:
+    fast, slow = make_two_goals(render_mode="rgb_array"), minigrid_two_goals(render_mode="rgb_array")
+    fast.reset(seed=3)
+    slow.reset(seed=3)
+    for action in (0, 2, 2, 1, 2):
+        assert np.array_equal(fast.render(), slow.render())
+        fast.step(action)
+        slow.step(action)
+    fast.close()
+    slow.close()
 
 
 def test_exact_values_the_frozen_policy_earns_half() -> None:

@@ -72,6 +72,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from stabench.baselines import adam
 from stabench.suite.api import Stabilizer
 from torch import nn
 
@@ -134,7 +135,7 @@ class MiniCritics(Stabilizer):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.critic_seed + int(spec.get("seed", 0)))
             self.critics = nn.ModuleList(TinyCritic(vocab, prompt_len, length) for _ in range(self.n_critics))
-        self.critic_opt = torch.optim.Adam(self.critics.parameters(), lr=self.critic_lr)
+        self.critic_opt = torch.optim.Adam(self.critics.parameters(), lr=self.critic_lr, foreach=True)
         return model
 
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -159,9 +160,9 @@ class MiniCritics(Stabilizer):
                 rows = member % self.n_critics == m
                 err = (critic(prompts[rows], answers[rows]) - target[rows]).pow(2) * mask[rows]
                 loss = loss + err.sum() / mask[rows].sum().clamp_min(1)
-            self.critic_opt.zero_grad(set_to_none=True)
+            adam.zero_grad(self.critic_opt)
             loss.backward()
-            self.critic_opt.step()
+            adam.step(self.critic_opt)
 
 
 def warmup_value_loss(new_values: torch.Tensor, returns: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:

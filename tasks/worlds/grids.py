@@ -201,6 +201,16 @@ class EmptyRoomFlat(gym.Env):
         self._painter: EmptyEnv | None = None
         self._next_room: tuple[tuple[int, int], int] | None = None
 
+    @property
+    def agent_pos(self) -> tuple[int, int]:
+        """The agent's cell, as MiniGrid's attribute (the goal's once reached)."""
+        return tuple(self.goal) if self.state < 0 else self.table.cells[self.state][:2]
+
+    @property
+    def agent_dir(self) -> int:
+        """The agent's heading, as MiniGrid's attribute (0 right, 1 down, 2 left, 3 up)."""
+        return self.heading if self.state < 0 else self.table.cells[self.state][2]
+
     def change_room(self, goal: tuple[int, int], max_steps: int | None = None) -> None:
         """From the next `reset` on, the goal stands on `goal` and episodes time out after `max_steps`."""
         goal = (int(goal[0]), int(goal[1]))
@@ -255,6 +265,36 @@ class EmptyRoomFlat(gym.Env):
         if self._painter is not None:
             self._painter.close()
             self._painter = None
+
+
+class RandomStartRoomFlat(EmptyRoomFlat):
+    """MiniGrid's empty room with a uniformly random start cell and direction (`EmptyEnv(agent_start_pos=None)`),
+    stepped from its `RoomTable` like `EmptyRoomFlat`.
+
+    `reset` draws the start from `np_random` with MiniGrid's own calls in MiniGrid's order (`place_agent`:
+    rejection sampling of a cell over the whole grid, x then y, until the cell is empty, then a direction), so a
+    seeded run starts where `flatten_minigrid(EmptyEnv(size, agent_start_pos=None, ...))` starts, episode after
+    episode; the goal stays in its corner (`change_room` is not offered).
+    """
+
+    def __init__(self, size: int = 5, max_steps: int | None = None, render_mode: str | None = None) -> None:
+        super().__init__(size=size, max_steps=max_steps, render_mode=render_mode)
+        self.index = {cell: i for i, cell in enumerate(self.table.cells)}
+
+    def change_room(self, goal: tuple[int, int], max_steps: int | None = None) -> None:
+        raise NotImplementedError("the random-start room keeps MiniGrid's goal")
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        gym.Env.reset(self, seed=seed)
+        rng = self.np_random
+        while True:  # MiniGridEnv.place_obj(None): top (0, 0), size the whole grid; a wall or the goal: again
+            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
+            if (x, y, 0) in self.index:
+                break
+        self.state, self.step_count = self.index[(x, y, int(rng.integers(0, 4)))], 0
+        if self.render_mode == "human":
+            self.render()
+        return self._obs[self.state].copy(), {}
 
 
 def make_empty_flat(size: int = 5, max_steps: int | None = None, render_mode: str | None = None,
