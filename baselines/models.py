@@ -19,6 +19,18 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, the same kernel without `nn.Module.__call__` when nothing hooks the layer: a tiny network's
+    forward is mostly that call's Python (the rollout runs one forward per env step)."""
+    hooks = nn.modules.module
+    if (type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
+            or layer._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+            or hooks._global_backward_hooks or hooks._global_backward_pre_hooks):
+        return layer(x)
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def he_linear(n_in: int, n_out: int) -> nn.Linear:
@@ -53,7 +65,7 @@ class ActorCritic(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.features(obs)
-        return self.policy(z), self.value(z).squeeze(-1)
+        return linear(self.policy, z), linear(self.value, z).squeeze(-1)
 
 
 class PlainMLP(ActorCritic):
@@ -70,14 +82,14 @@ class PlainMLP(ActorCritic):
     def hidden(self, obs: torch.Tensor) -> list[torch.Tensor]:
         acts, h = [], obs
         for layer in self.layers:
-            h = torch.relu(layer(h))
+            h = torch.relu(linear(layer, h))
             acts.append(h)
         return acts
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
         h = obs
         for layer in self.layers:
-            h = torch.relu(layer(h))
+            h = torch.relu(linear(layer, h))
         return h
 
 

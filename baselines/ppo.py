@@ -223,11 +223,16 @@ class PPO:
         grads: dict[str, torch.Tensor] = {}
         ones, weight = torch.ones(self.minibatch_size), torch.full((self.minibatch_size,), 1.0 / self.minibatch_size)
         clip = torch.tensor(cfg.clip_coef)
+        # the rollout's float vectors as the rows of one matrix: a minibatch takes them in one gather
+        vectors = [key for key, v in batch.items() if v.dim() == 1 and v.dtype == torch.float32]
+        stacked = torch.stack([batch[key] for key in vectors]) if vectors else None
         for epoch in range(cfg.update_epochs):
             perm = torch.as_tensor(self.rng.permutation(self.batch_size))
             for k in range(cfg.num_minibatches):
                 idx = perm[k * self.minibatch_size:(k + 1) * self.minibatch_size]
-                mb = {key: v[idx] for key, v in batch.items()}
+                mb = {key: v[idx] for key, v in batch.items() if key not in vectors}
+                if stacked is not None:
+                    mb.update(zip(vectors, stacked.index_select(1, idx).unbind(0)))
                 logits, newvalue = model(mb["obs"])
                 newlogprob, entropy = categorical_logprob_entropy(logits, mb["actions"])
                 logratio = newlogprob - mb["anchor_logp"]
@@ -251,8 +256,9 @@ class PPO:
                           token_weight=weight, clip_low=clip, clip_high=clip)
                 terms = self.stabilizer.loss(terms, mb)
                 loss = sum(terms.values())
-                if not torch.isfinite(loss):
-                    raise Diverged(f"non-finite PPO loss {float(loss)} at iteration {self.iteration}")
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    raise Diverged(f"non-finite PPO loss {loss_value} at iteration {self.iteration}")
 
                 adam.zero_grad(self.optimizer)
                 loss.backward()
@@ -261,7 +267,7 @@ class PPO:
                 self.stabilizer.after_backward(model)
                 adam.step(self.optimizer)
 
-                report.add({"loss": float(loss.detach()), "policy_loss": float(pg_loss.detach()),
+                report.add({"loss": loss_value, "policy_loss": float(pg_loss.detach()),
                             "value_loss": float(v_loss.detach()), "entropy_loss": float(entropy_mean.detach()),
                             **ratio_stats})
 

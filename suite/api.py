@@ -244,6 +244,11 @@ class Stabilizer:
     name: ClassVar[str] = "baseline"
     needs: ClassVar[frozenset[str]] = frozenset()
     trainers: ClassVar[frozenset[str]] = frozenset()
+    # The method's settings and where `stabench tune` may search them, declared once, in Ray Tune's vocabulary:
+    # class attribute -> a Tune domain (`tune.loguniform(0.03, 3.0)`, `tune.uniform`, `tune.choice`, `tune.randint`,
+    # ...). The class attribute's own value is the default setting, the one `stabench run` uses; `name@key=value`
+    # runs another (`kl-anchor@coef=0.1`), `name@tuned` the one `stabench tune` chose. Empty: nothing to tune.
+    search_space: ClassVar[Mapping[str, Any]] = {}
 
     def model(self, model: nn.Module, spec: Mapping[str, Any]) -> nn.Module:
         """Replace or wrap the network. `spec` describes what the task built (sizes, depth, ...)."""

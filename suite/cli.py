@@ -63,11 +63,16 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
     print("stabilizers (methods), and the tasks where each acts (elsewhere it scores as the baseline):")
     tasks = {n: registry.get_task(n) for n in registry.names("task")}
+    from stabench.suite.tune import describe_space
+
     for name in registry.names("stabilizer"):
-        stabilizer = registry.resolve_class("stabilizer", name)()
+        cls = registry.resolve_class("stabilizer", name)
+        stabilizer = cls()
         acts = [n for n, t in tasks.items() if stabilizer.applies_to(t)]
         where = "every task" if len(acts) == len(tasks) else ", ".join(acts) or "no registered task"
         print(f"  {name:<22} {where}")
+        if describe_space(cls):  # what `stabench tune` searches
+            print(f"  {'':<22} settings: {describe_space(cls)}")
     print("detectors:")
     for name in registry.names("detector"):
         print(f"  {name}")
@@ -90,6 +95,37 @@ def run_sweep(args: argparse.Namespace) -> Path:
                  seed_start=args.seed_start, stabilizers=args.stabilizer or (), detectors=args.detector or (),
                  out=args.out, cpus=args.cpus, address=args.address, grid=args.grid, matrix=args.matrix,
                  resume=args.resume, extend=args.extend, wandb=args.wandb, tensorboard=not args.no_tensorboard)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Search a method's settings on tuning seeds (suite/tune.py), print and write what it chose and spent."""
+    import pandas as pd
+    from stabench.suite import registry, tune
+
+    budget = tune.DEFAULT_BUDGET if args.budget is None else args.budget
+    record = tune.tune_method(args.method, tier=args.tier, tasks=args.tasks, budget=budget, seeds=args.seeds,
+                              seed_start=args.seed_start, out=args.out, address=args.address, cpus=args.cpus,
+                              search_seed=args.search_seed)
+    folder = Path(args.out) if args.out else tune.TUNING_ROOT / record["method"]
+    history = pd.DataFrame(record["history"])
+    print(history[["setting", "iqm", "control_iqm", "failure_rate", "tasks_done", "runs", "cpu_seconds", "status"]]
+          .to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    spent, seeds = record["spent"], tune.seed_text(record["tuning_seeds"])
+    default = record["default_tuning_iqm"]
+    print(f"chosen: {record['method']}@{registry.setting_text(record['setting'])}: IQM {record['tuning_iqm']:.3f} "
+          f"(control {record['tuning_control_iqm']:.3f}) on tuning seeds {seeds}; the default "
+          f"{registry.setting_text(record['default'])}: " + (f"{default:.3f}" if default is not None else "stopped"))
+    early = int((history["status"] == "stopped early").sum())
+    print(f"budget: {spent['configurations']} configurations ({early} stopped early by ASHA), {spent['runs']} runs "
+          f"({spent['baseline_runs']} of them the baseline's), {spent['cpu_seconds']:.0f} CPU-seconds, "
+          f"{spent['wall_seconds']:.0f} s wall")
+    print(f"written: {folder / tune.RECORD}, {folder / tune.HISTORY}")
+    plain = registry.split_setting(args.method)[0]
+    ref = f"{plain}@tuned" if folder == tune.TUNING_ROOT / record["method"] else f"{plain}@tuned={folder}"
+    what = f"--methods baseline,{ref}" if not registry.is_reference(plain) else f"--methods baseline --stabilizer {ref}"
+    print(f"next, on the scoring seeds: stabench run --tier {record['tier']} --seeds 10 {what}"
+          f" --out results/runs/tuned-{record['method']}")
+    return 0
 
 
 def cmd_tensorboard(args: argparse.Namespace) -> int:
@@ -135,12 +171,32 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"added: {row['track']} {row['name']} ({row['tier']}): {row['aggregate']} "
               f"[{row['ci_low']}, {row['ci_high']}]")
     print(f"{len(rows)} rows appended to {args.leaderboard}")
+    every = leaderboard.read(Path(args.leaderboard))
+    for row in rows:  # like with like: a row is ranked only against rows on its tier and seeds
+        builtin = {leaderboard.row_seeds(r) for r in every if r["track"] == row["track"] == "stabilizer"
+                   and r["version"] == "builtin" and r["tier"] == row["tier"] and not leaderboard.is_tuned(r)}
+        if builtin and leaderboard.row_seeds(row) not in builtin:
+            print(f"note: {row['name']} was scored on seeds {leaderboard.row_seeds(row)}, the built-in rows of the "
+                  f"{row['tier']} tier on {', '.join(sorted(builtin))}: it is ranked apart from them (rerun on their "
+                  "seeds, for example --seeds 10, to be compared)", file=sys.stderr)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from stabench.suite import leaderboard
 
+    checks = []
+    if args.fresh is not None:  # every fresh check is planned (its input checked) before anything is printed or run
+        if not args.dirs:
+            raise StabenchError("--fresh re-runs rows of a run folder: name it (stabench verify DIR --fresh K)")
+        checks = [leaderboard.plan_fresh(Path(args.leaderboard), Path(d), args.fresh, args.seed_start)
+                  for d in args.dirs]
+        if args.cpus is not None and args.cpus < 1:
+            raise StabenchError(f"--cpus must be at least 1, got {args.cpus}")
+        if args.address:
+            from stabench.suite import runner
+
+            runner.check_address(args.address)
     rows = leaderboard.read(Path(args.leaderboard))
     notes: list[str] = []
     problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector, notes)
@@ -150,7 +206,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"mismatch: {problem}", file=sys.stderr)
     print(f"{len(rows)} rows intact; {len(args.dirs) - len(notes)} run folders recomputed"
           + (f" ({len(notes)} with no row)" if notes else "") + f"; {len(problems)} mismatches")
-    return 1 if problems else 0
+    if args.fresh is None:
+        return 1 if problems else 0
+    wrong = 0
+    for check in checks:  # re-run each folder's rows on seeds drawn now
+        first = check.spec.seed_start
+        print(f"fresh seeds {check.seeds} (repeat this check: stabench verify {check.directory} --fresh {args.fresh} "
+              f"--seed-start {first})", flush=True)
+        agree, disagree = leaderboard.run_fresh(check, args.address, args.cpus)
+        for line in agree:
+            print(f"agrees: {line}")
+        for line in disagree:
+            print(f"mismatch: {line}", file=sys.stderr)
+        wrong += len(disagree)
+    print(f"fresh check: {wrong} rows disagree with their re-run")
+    return 1 if problems or wrong else 0
 
 
 def cmd_leaderboard(args: argparse.Namespace) -> int:
@@ -246,6 +316,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip writing the curves for TensorBoard to OUT/tensorboard (`stabench tensorboard` can later)")
     p.set_defaults(fn=cmd_run)
 
+    p = sub.add_parser("tune", help="search a method's settings with Ray Tune on tuning seeds, with a stated budget")
+    p.add_argument("--method", required=True, help="a registered method or a plugin FILE.py:Class with a search_space")
+    p.add_argument("--budget", type=int,
+                   help="configurations to try, the default setting first (default 4, the built-ins' budget; give "
+                        "every method the same)")
+    p.add_argument("--tier", default="quick", help="smoke, quick or full (default: quick)")
+    p.add_argument("--tasks", type=_csv, help="comma-separated task ids (default: every non-experimental task)")
+    p.add_argument("--seeds", type=int, help="tuning seeds per task (default: 2, as the built-ins were tuned)")
+    p.add_argument("--seed-start", type=int, default=1000,
+                   help="first tuning seed (default 1000; never the scoring seeds 0-9 or the fresh-check 100-109)")
+    p.add_argument("--search-seed", type=int, default=0, help="random state of the search (default 0)")
+    p.add_argument("--out", help="output folder (default: results/tuning/<method>, what M@tuned reads)")
+    p.add_argument("--address", help="an existing Ray cluster HOST:PORT (default: a private local Ray)")
+    p.add_argument("--cpus", type=int, help="CPUs of the local Ray (default: all)")
+    p.set_defaults(fn=cmd_tune)
+
     p = sub.add_parser("tensorboard", help="export a finished run's per-iteration metrics as TensorBoard scalars")
     p.add_argument("dir", help="the --out folder of a finished `stabench run`")
     p.add_argument("--out", help="the folder of TensorBoard runs (default: DIR/tensorboard; replaced whole)")
@@ -292,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="*", help="run folders whose rows to recompute")
     p.add_argument("--detector", action="append",
                    help="a replayed detector's FILE.py:Class or entry point, to recompute its rows (repeatable)")
+    p.add_argument("--fresh", type=int, metavar="K",
+                   help="also re-run each row's method and the baseline on K seeds drawn now (printed), and say "
+                        "whether the failure-rate verdicts and the aggregate's interval agree with the row")
+    p.add_argument("--seed-start", type=int, help="with --fresh: the first of the K seeds (repeat a printed check)")
+    p.add_argument("--address", help="with --fresh: an existing Ray cluster HOST:PORT (default: a private local Ray)")
+    p.add_argument("--cpus", type=int, help="with --fresh: CPUs of the local Ray (default: all)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_verify)
 

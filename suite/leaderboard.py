@@ -36,22 +36,32 @@ import json
 import math
 import os
 import subprocess
+import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from filelock import FileLock
 from stabench.suite import registry, scoring
 from stabench.suite.api import CALIBRATED_TIERS, StabenchError
 from stabench.suite.results import MANIFEST, METRICS, TRIALS
+from stabench.suite.tune import seed_text
 
-COLUMNS = [
+# `seeds` (the seeds the row was scored on, `0-9`), `setting` (JSON: the method's setting, its `search_space` keys),
+# `tuning` (JSON: how `stabench tune` chose the setting: budget, tuning seeds, search, what it spent; {} untuned) and
+# `failures` (JSON: per task [failed runs, runs] of the injected variant) joined later: a file made before them (the
+# old header) is read with those fields empty, and an empty field leaves a row's digest as it was.
+ADDED_COLUMNS = ["seeds", "setting", "tuning", "failures"]
+OLD_COLUMNS = [
     "track", "name", "version", "tier", "suite_version", "libraries", "git_commit", "date", "n_seeds",
     "per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "ranked", "acts_on", "poi", "poi_ci_low",
     "poi_ci_high", "results_digest", "row_digest",
 ]
+COLUMNS = [*OLD_COLUMNS[:-2], *ADDED_COLUMNS, *OLD_COLUMNS[-2:]]
 SCORE_FIELDS = ("per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "n_seeds", "ranked", "acts_on",
-                "poi", "poi_ci_low", "poi_ci_high")
+                "poi", "poi_ci_low", "poi_ci_high", *ADDED_COLUMNS)
 DEFAULT_PATH = Path("results/leaderboard.csv")
 
 
@@ -64,8 +74,20 @@ def results_digest(table: pd.DataFrame) -> str:
 
 
 def row_digest(row: dict) -> str:
-    body = json.dumps({k: str(row[k]) for k in COLUMNS if k != "row_digest"}, sort_keys=True)
+    """A digest of the row's fields (an added field left empty, in a row made before it, is left out)."""
+    fields = [k for k in COLUMNS if k != "row_digest" and not (k in ADDED_COLUMNS and not row.get(k))]
+    body = json.dumps({k: str(row[k]) for k in fields}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def row_seeds(row: dict) -> str:
+    """The seeds a row was scored on; a row made before they were recorded was made on `0..n_seeds-1`, every
+    run's default (the committed rows: the method matrix, seeds 0-9)."""
+    return row.get("seeds") or f"0-{int(row['n_seeds']) - 1}"
+
+
+def is_tuned(row: dict) -> bool:
+    return row.get("tuning") not in (None, "", "{}")
 
 
 def _fmt(value: float) -> str:
@@ -153,7 +175,9 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     all_detectors = sorted(recorded | set(registry.SCORED_DETECTORS))
     if methods is None and detectors is None:
         methods, detectors = all_methods, all_detectors
-    for m in methods or []:
+    tuned = manifest.get("tuning", {})
+    methods = [_pick(m, all_methods, tuned) for m in methods or []]
+    for m in methods:
         if m not in all_methods:
             raise StabenchError(f"method {m!r} is not in this run (it has {', '.join(all_methods)})")
     names, versions, replays = [], {}, []
@@ -187,7 +211,14 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         healthy = per_run[(per_run["method"] == method) & (per_run["variant"] == "control")]
         control = {t: round(float(g["normalized_return"].mean()), 6) for t, g in healthy.groupby("task")}
         agg = aggregate[method]
+        record = tuned.get(method, {})
+        clash = sorted(set(own["seed"]) & set(record.get("tuning_seeds", ())))
+        if clash:
+            raise StabenchError(f"{method} was tuned on seeds {seed_text(clash)}, which its row would be scored on")
+        failures = {t: [int(g["failed"].sum()), int(len(g))] for t, g in own.groupby("task")}
         rows.append({**common, "track": "stabilizer", "name": method, "version": _version(table, method),
+                     "seeds": seed_text(own["seed"].unique()), "setting": _json(_setting(table, method)),
+                     "tuning": _json(record), "failures": _json(failures),
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True),
                      "control_per_task": json.dumps(control, sort_keys=True), "aggregate": _fmt(agg["iqm"]),
@@ -210,6 +241,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
             per_task[t] = None if math.isnan(value) else round(value, 6)
         value, low, high = scoring.detector_skill(own)
         rows.append({**common, "track": "detector", "name": detector, "version": versions[detector],
+                     "seeds": seed_text(own["seed"].unique()), "setting": "{}", "tuning": "{}", "failures": "{}",
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
                      "aggregate": _fmt(value),
@@ -220,9 +252,32 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     return rows
 
 
+def _json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _pick(method: str, in_run: list[str], tuned: dict) -> str:
+    """`M@tuned` names the run's one setting of M that `stabench tune` chose; any other name is itself."""
+    plain, text = registry.split_setting(method)
+    if text != "tuned":
+        return method
+    found = [m for m in in_run if registry.base_name(m) == plain and m in tuned]
+    if len(found) != 1:
+        raise StabenchError(f"{method}: the run holds {len(found) or 'no'} tuned settings of {plain} "
+                            f"(it has {', '.join(in_run)})")
+    return found[0]
+
+
+def _setting(table: pd.DataFrame, method: str) -> dict:
+    """The method's setting as it ran: the value of every key of its `search_space` ({} without one)."""
+    ref = table.loc[table["method"] == method, "method_ref"].iloc[0] if "method_ref" in table else method
+    cls = registry.resolve_class("stabilizer", ref)
+    return {key: getattr(cls, key) for key in sorted(getattr(cls, "search_space", None) or {})}
+
+
 def _version(table: pd.DataFrame, method: str) -> str:
     """`builtin` for the suite's own methods; a plugin's class attribute `version` (default "1")."""
-    if method in registry.BUILTIN_STABILIZERS:
+    if registry.base_name(method) in registry.BUILTIN_STABILIZERS:
         return "builtin"
     ref = table.loc[table["method"] == method, "method_ref"].iloc[0]
     return str(getattr(registry.resolve_class("stabilizer", ref), "version", "1"))
@@ -235,7 +290,7 @@ def read(path: Path) -> list[dict]:
     try:
         text = path.read_text()
         reader = csv.DictReader(io.StringIO(text))
-        if reader.fieldnames != COLUMNS:
+        if reader.fieldnames not in (COLUMNS, OLD_COLUMNS):
             raise StabenchError(f"{path} is corrupt: its header is not the leaderboard's")
         rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
@@ -245,6 +300,8 @@ def read(path: Path) -> list[dict]:
             raise StabenchError(f"{path} is corrupt: line {number} has the wrong number of fields")
         if row["row_digest"] != row_digest(row):
             raise StabenchError(f"{path} has a tampered row: line {number} ({row['track']} {row['name']})")
+        for key in ADDED_COLUMNS:  # a file made before these fields: empty, as the digest reads them
+            row.setdefault(key, "")
     return rows
 
 
@@ -303,6 +360,8 @@ def verify(path: Path, directories: list[Path], detectors: list[str] | None = No
         for row in mine:
             again = fresh[(row["track"], row["name"])]
             for field in SCORE_FIELDS:
+                if field in ADDED_COLUMNS and not row.get(field):
+                    continue  # a row made before the field was recorded
                 if str(again[field]) != str(row[field]):
                     problems.append(
                         f"{row['track']} {row['name']}: {field} is {row[field]} in the leaderboard, "
@@ -311,17 +370,201 @@ def verify(path: Path, directories: list[Path], detectors: list[str] | None = No
     return problems
 
 
+# `verify --fresh K` draws K consecutive seeds from here, clear of every seed the suite scores, checks or tunes on.
+FRESH_SEEDS = range(10_000, 1_000_000)
+
+
+def verdict(rate: float) -> str:
+    """A task's failure-rate verdict, the calibration bar's: `fails` (at least 80% of runs), `holds` (at most 20%),
+    else `mixed`. Only opposite verdicts contradict each other: a few fresh seeds cannot place a rate finer."""
+    return "fails" if rate >= 0.8 else "holds" if rate <= 0.2 else "mixed"
+
+
+@dataclass(frozen=True)
+class FreshCheck:
+    """A planned `verify --fresh`: the rows of one run folder, and the sweep that re-runs them on fresh seeds."""
+
+    directory: Path
+    rows: tuple[dict, ...]
+    seeds: str
+    spec: Any  # runner.ExperimentSpec
+
+
+def plan_fresh(path: Path, directory: Path, k: int, seed_start: int | None = None) -> FreshCheck:
+    """Check a `verify --fresh` request and draw its seeds (`seed_start` repeats a draw); runs nothing.
+
+    Re-run: the method of every stabilizer row made from `directory`, and the baseline, on the run's tasks and tier,
+    on `k` consecutive seeds clear of every seed the run was made on, the scoring and fresh-check seeds and the
+    rows' tuning seeds."""
+    from stabench.suite import runner  # first: it sets the environment Ray reads when it is imported
+    from stabench.suite.tune import RESERVED_SEEDS
+
+    if k < 1:
+        raise StabenchError(f"--fresh must be at least 1 seed, got {k}")
+    rows = read(path)
+    table, manifest, _ = load_run(directory)
+    digest = results_digest(table)
+    mine = tuple(r for r in rows if r["results_digest"] == digest and r["track"] == "stabilizer")
+    if not mine:
+        raise StabenchError(f"no stabilizer row of {path} was computed from {directory}: nothing to check afresh")
+    avoid = {int(s) for s in table["seed"].unique()} | {s for r in RESERVED_SEEDS.values() for s in r}
+    for r in mine:
+        avoid |= set(json.loads(r.get("tuning") or "{}").get("tuning_seeds", ()))
+    if seed_start is None:
+        import random
+
+        draw = random.SystemRandom()
+        seed_start = next(s for s in iter(lambda: draw.randrange(FRESH_SEEDS.start, FRESH_SEEDS.stop - k), None)
+                          if not avoid & set(range(s, s + k)))
+    elif seed_start < 0 or avoid & set(range(seed_start, seed_start + k)):
+        raise StabenchError(f"--seed-start {seed_start}: the fresh seeds must be at least 0 and clear of the seeds the "
+                            "run was made, scored or tuned on")
+    plain = table[table["cell"].fillna("") == ""] if "cell" in table else table
+    refs = [str(plain.loc[plain["method"] == r["name"], "method_ref"].iloc[0]) for r in mine]
+    spec = runner.ExperimentSpec(tier=manifest["spec"]["tier"], tasks=tuple(dict.fromkeys(plain["task_ref"])),
+                                 methods=tuple(dict.fromkeys(["baseline", *refs])), seeds=k, seed_start=seed_start,
+                                 detectors=())
+    spec.trials()  # every method and task still resolves, before anything runs
+    return FreshCheck(directory, mine, seed_text(range(seed_start, seed_start + k)), spec)
+
+
+def run_fresh(check: FreshCheck, address: str | None = None, cpus: int | None = None) -> tuple[list[str], list[str]]:
+    """Run a planned fresh check in a scratch folder (removed after) and compare; returns the lines of the rows that
+    agree and of those that do not.
+
+    A row agrees when, on the fresh seeds, the 95% interval of its aggregate overlaps the submitted one and no task's
+    failure-rate verdict (`verdict`) flips between `fails` and `holds`. Lenient on purpose: the fresh seeds are few,
+    and normalized return is anchored on floors fixed on seeds 0-9. With one seed per task on either side an interval
+    has no width, so only the verdicts are judged then. The leaderboard is only read."""
+    import shutil
+    import tempfile
+
+    from stabench.suite import runner
+
+    scratch = Path(tempfile.mkdtemp(prefix="stabench-fresh-"))
+    try:
+        exp = runner.prepare(scratch / "run", check.spec, resume=False)
+        names = ", ".join(dict.fromkeys(["baseline", *(r["name"] for r in check.rows)]))
+        print(f"stabench: fresh seeds {check.seeds} for {names}", file=sys.stderr, flush=True)
+        runner.execute(exp, address=address, num_cpus=cpus, tensorboard=False)
+        fresh = pd.read_parquet(scratch / "run" / METRICS)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    per_run = scoring.outcomes(fresh)
+    aggregate = {a["method"]: a for a in scoring.across_tasks(per_run)}
+    rates = {(t["task"], t["method"]): t["failure_rate"] for t in scoring.stabilizer_track(fresh, per_run)}
+    agree, problems = [], []
+    for row in check.rows:
+        name, again = row["name"], aggregate[row["name"]]
+        low, high = float(row["ci_low"]), float(row["ci_high"])
+        told = f"{float(row['aggregate']):.3g} [{low:.3g}, {high:.3g}]"
+        found = f"{again['iqm']:.3g} [{again['ci_low']:.3g}, {again['ci_high']:.3g}]"
+        reasons = []
+        fresh_low, fresh_high = float(_fmt(again["ci_low"])), float(_fmt(again["ci_high"]))  # as a row holds them
+        judged = int(row["n_seeds"]) >= 2 and check.spec.seeds >= 2  # one seed per task: an interval of no width
+        if judged and not (fresh_low <= high and low <= fresh_high):
+            reasons.append(f"aggregate {found} on fresh seeds {check.seeds}, outside the submitted {told}")
+        failures = json.loads(row.get("failures") or "{}")
+        flipped = []
+        for task, (failed, n) in sorted(failures.items()):
+            before, now = verdict(failed / n), verdict(rates.get((task, name), math.nan))
+            if {before, now} == {"fails", "holds"}:
+                flipped.append(f"{task} {before} in the row, {now} afresh")
+        if flipped:
+            reasons.append("failure-rate verdicts flip: " + ", ".join(flipped))
+        checked = (f"{len(failures)} tasks' failure-rate verdicts agree" if failures
+                   else "no failure counts in the row (made before they were recorded)")
+        if reasons:
+            problems.append(f"stabilizer {name}: " + "; ".join(reasons))
+        else:
+            compared = (f"overlaps the submitted {told}" if judged else
+                        f"beside the submitted {told}, not judged (one seed per task on a side: an interval of no "
+                        "width)")
+            agree.append(f"stabilizer {name}: aggregate {found} on fresh seeds {check.seeds} {compared}; " + checked)
+    return agree, problems
+
+
+def tuning_table(rows: list[dict]) -> list[dict]:
+    """The tuned stabilizer rows beside their defaults, grouped by tier, scoring seeds and tuning budget: a tuned row
+    is ranked only against rows tuned with the same budget on the same seeds. `default_*` come from the untuned row of
+    the same method, tier and seeds (the latest, if several); `rank` orders the group by the tuned aggregate and
+    `default_rank` the same methods by their defaults' (a gain that vanishes or a rank that flips shows here)."""
+    defaults: dict[tuple[str, str, str], dict] = {}
+    for r in sorted((r for r in rows if r["track"] == "stabilizer" and not is_tuned(r)), key=lambda r: r["date"]):
+        defaults[(r["name"], r["tier"], row_seeds(r))] = r
+    out = []
+    for r in rows:
+        if r["track"] != "stabilizer" or not is_tuned(r):
+            continue
+        record = json.loads(r["tuning"])
+        spent = record.get("spent", {})
+        base = registry.base_name(r["name"])
+        default = defaults.get((base, r["tier"], row_seeds(r)))
+        value = float(r["aggregate"])
+        before = float(default["aggregate"]) if default else math.nan
+        out.append({
+            "tier": r["tier"], "seeds": row_seeds(r), "budget": int(record.get("budget", 0)), "method": base,
+            "setting": r["name"].partition("@")[2], "default_setting": registry.setting_text(
+                json.loads(default["setting"])) if default and default.get("setting") else "",
+            "configurations": spent.get("configurations"), "runs": spent.get("runs"),
+            "cpu_seconds": spent.get("cpu_seconds"), "tuning_seeds": seed_text(record.get("tuning_seeds", [])),
+            "default": before, "default_ci_low": float(default["ci_low"]) if default else math.nan,
+            "default_ci_high": float(default["ci_high"]) if default else math.nan,
+            "tuned": value, "tuned_ci_low": float(r["ci_low"]), "tuned_ci_high": float(r["ci_high"]),
+            "gain": value - before, "poi": float(r["poi"]) if r.get("poi", "nan") != "nan" else math.nan,
+        })
+    groups: dict[tuple, list[dict]] = {}
+    for t in out:
+        groups.setdefault((t["tier"], t["seeds"], t["budget"]), []).append(t)
+    for group in groups.values():
+        for key, rank in (("tuned", "rank"), ("default", "default_rank")):
+            order = sorted(group, key=lambda t: -t[key] if not math.isnan(t[key]) else math.inf)
+            for position, t in enumerate(order, start=1):
+                t[rank] = position if not math.isnan(t[key]) else None
+    return sorted(out, key=lambda t: (t["tier"], t["seeds"], t["budget"], t["rank"]))
+
+
+def _ci(value: float, low: float, high: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3g} [{low:.3g}, {high:.3g}]"
+
+
+def tuning_markdown(rows: list[dict]) -> list[str]:
+    """The tuned rows as Markdown: one table per (tier, seeds, budget) group (`tuning_table`)."""
+    table = tuning_table(rows)
+    if not table:
+        return ["No tuned rows yet: `stabench tune --method M --budget N`, then `stabench run --methods "
+                "baseline,M@tuned --seeds 10` and `stabench submit DIR --method M@tuned`.", ""]
+    lines: list[str] = []
+    for key in dict.fromkeys((t["tier"], t["seeds"], t["budget"]) for t in table):
+        group = [t for t in table if (t["tier"], t["seeds"], t["budget"]) == key]
+        lines += [f"Tier {key[0]}, scored on seeds {key[1]}, tuned with a budget of {key[2]} configurations "
+                  f"(on tuning seeds {', '.join(sorted({t['tuning_seeds'] for t in group}))}):", "",
+                  "| rank (default's) | method | tuned setting (default) | default [95% CI] | tuned [95% CI] | gain "
+                  "| P(improve) | spent: configurations, runs, CPU-s |", "|---" * 8 + "|"]
+        for t in group:
+            default_rank = t["default_rank"] if t["default_rank"] is not None else "-"
+            gain = "-" if math.isnan(t["gain"]) else f"{t['gain']:+.3g}"
+            poi = "-" if math.isnan(t["poi"]) else f"{t['poi']:.2f}"
+            lines.append(f"| {t['rank']} ({default_rank}) | {t['method']} | {t['setting']} ({t['default_setting']}) | "
+                         f"{_ci(t['default'], t['default_ci_low'], t['default_ci_high'])} | "
+                         f"{_ci(t['tuned'], t['tuned_ci_low'], t['tuned_ci_high'])} | {gain} | {poi} | "
+                         f"{t['configurations']}, {t['runs']}, {t['cpu_seconds']} |")
+        lines.append("")
+    return lines
+
+
 def render_markdown(rows: list[dict], path: Path) -> None:
-    """`results/LEADERBOARD.md`, rendered from the CSV (never edited by hand)."""
+    """`results/LEADERBOARD.md`, rendered from the CSV (never edited by hand). Stabilizer rows are ranked only
+    against rows of the same tier made on the same seeds (a baseline's aggregate differs between seeds 0-4 and
+    0-9), tuned rows only against rows tuned with the same budget, beside their defaults."""
     lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", ""]
     for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
                                ("detector", "Detector track", "mean detector skill score (100 = oracle, 0 = chance)")):
-        mine = sorted((r for r in rows if r["track"] == track),
+        mine = sorted((r for r in rows if r["track"] == track and not is_tuned(r)),
                       key=lambda r: (r.get("ranked", "yes") != "yes",
                                      -float(r["aggregate"]) if r["aggregate"] != "nan" else math.inf))
         if not mine:
             continue
-        tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
         lines += [f"## {title}", "", f"Aggregate: {unit}, 95% stratified bootstrap interval.", ""]
         if track == "detector":
             runs = sorted({r["results_digest"][:12] for r in mine})
@@ -331,28 +574,47 @@ def render_markdown(rows: list[dict], path: Path) -> None:
         if track == "stabilizer":
             lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
                       "method's cost on healthy training); `=` marks a task where the method does not change the "
-                      "trainer, so its runs there are the baseline's. Ranked only on the common task set; P(improve) "
-                      "is the probability that a run with the method beats a baseline run on the same task.", ""]
-        extra = " P(improve) [95% CI] | ranked |" if track == "stabilizer" else ""
-        lines.append("| name | version | tier | seeds | aggregate [95% CI] |" + extra + " " + " | ".join(tasks)
-                     + " | date |")
-        lines.append("|---" * (6 + len(tasks) + (2 if extra else 0)) + "|")
-        for r in mine:
-            per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
-            acts = json.loads(r.get("acts_on") or "[]")
-            cells = [("-" if per.get(t) is None else f"{per[t]:.3g}")
-                     + (f" ({healthy[t]:.3g})" if healthy.get(t) is not None else "")
-                     + (" =" if track == "stabilizer" and t in per and t not in acts and r["name"] != "baseline"
-                        else "")
-                     for t in tasks]
-            agg = f"{float(r['aggregate']):.3g} [{float(r['ci_low']):.3g}, {float(r['ci_high']):.3g}]"
-            if extra:
-                poi = (f"{float(r['poi']):.2f} [{float(r['poi_ci_low']):.2f}, {float(r['poi_ci_high']):.2f}]"
-                       if r.get("poi", "nan") != "nan" else "-")
-                agg += f" | {poi} | {r.get('ranked', 'yes')}"
-            lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
-                         + " | ".join(cells) + f" | {r['date'][:10]} |")
-        lines.append("")
+                      "trainer, so its runs there are the baseline's. Ranked only on the common task set, and only "
+                      "against rows of the same tier made on the same seeds (one table each); P(improve) is the "
+                      "probability that a run with the method beats a baseline run on the same task.", ""]
+        groups = dict.fromkeys((r["tier"], row_seeds(r)) for r in mine) if track == "stabilizer" else {None: None}
+        for group in groups:
+            chosen = [r for r in mine if group is None or (r["tier"], row_seeds(r)) == group]
+            if group is not None:
+                lines += [f"### Tier {group[0]}, seeds {group[1]}", ""]
+            lines += _track_table(track, chosen)
+    lines += ["## Tuned stabilizers", "",
+              "A tuned row's setting was chosen by `stabench tune` on tuning seeds disjoint from the scoring seeds, "
+              "with the budget shown; it is ranked only against rows tuned with the same budget and scored on the "
+              "same seeds, beside its default's row (same tier and seeds). The two rows may come from different runs: "
+              "the gain is the tuning's only where both were made on the same kind of machine (the built-in rows: "
+              "results/calibration.md, on the CPU dependence of the warm starts).", "", *tuning_markdown(rows)]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines))
     os.replace(tmp, path)
+
+
+def _track_table(track: str, mine: list[dict]) -> list[str]:
+    tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
+    lines = []
+    extra = " P(improve) [95% CI] | ranked |" if track == "stabilizer" else ""
+    lines.append("| name | version | tier | seeds | aggregate [95% CI] |" + extra + " " + " | ".join(tasks)
+                 + " | date |")
+    lines.append("|---" * (6 + len(tasks) + (2 if extra else 0)) + "|")
+    for r in mine:
+        per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
+        acts = json.loads(r.get("acts_on") or "[]")
+        cells = [("-" if per.get(t) is None else f"{per[t]:.3g}")
+                 + (f" ({healthy[t]:.3g})" if healthy.get(t) is not None else "")
+                 + (" =" if track == "stabilizer" and t in per and t not in acts and r["name"] != "baseline"
+                    else "")
+                 for t in tasks]
+        agg = f"{float(r['aggregate']):.3g} [{float(r['ci_low']):.3g}, {float(r['ci_high']):.3g}]"
+        if extra:
+            poi = (f"{float(r['poi']):.2f} [{float(r['poi_ci_low']):.2f}, {float(r['poi_ci_high']):.2f}]"
+                   if r.get("poi", "nan") != "nan" else "-")
+            agg += f" | {poi} | {r.get('ranked', 'yes')}"
+        lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
+                     + " | ".join(cells) + f" | {r['date'][:10]} |")
+    lines.append("")
+    return lines

@@ -437,6 +437,41 @@ def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = 
     return rendered
 
 
+LEADERBOARD = Path("results/leaderboard.csv")
+
+
+def tuning_values(out: Path, board: Path = LEADERBOARD) -> dict[str, str]:
+    """The default-vs-tuned table (`tables/tuning.md|csv`) from the leaderboard's tuned rows
+    (`leaderboard.tuning_table`): per method tuned with a budget, its default's and its tuned setting's aggregate on
+    the scoring seeds, the gain, and its rank among the methods tuned with the same budget (the defaults' beside)."""
+    from stabench.suite import leaderboard
+
+    rows = leaderboard.read(board) if board.is_file() else []
+    frame = pd.DataFrame(leaderboard.tuning_table(rows))
+    frame.to_csv(out / "tables" / "tuning.csv", index=False)
+    if frame.empty:
+        text = f"No tuned rows in `{board}` yet (`stabench tune`, then `stabench submit DIR --method M@tuned`).\n"
+    else:
+        def ci(prefix: str) -> pd.Series:
+            return frame.apply(lambda t: "-" if pd.isna(t[prefix]) else
+                               f"{t[prefix]:.3f} [{t[prefix + '_ci_low']:.3f}, {t[prefix + '_ci_high']:.3f}]", axis=1)
+
+        shown = pd.DataFrame({
+            "method": frame["method"], "budget": frame["budget"], "scoring seeds": frame["seeds"],
+            "default setting": frame["default_setting"], "tuned setting": frame["setting"],
+            "default IQM [95% CI]": ci("default"), "tuned IQM [95% CI]": ci("tuned"),
+            "gain": frame["gain"].map(lambda g: "-" if pd.isna(g) else f"{g:+.3f}"),
+            "rank (default's)": frame.apply(
+                lambda t: f"{t['rank']} ({int(t['default_rank']) if pd.notna(t['default_rank']) else '-'})", axis=1),
+            "tuning seeds": frame["tuning_seeds"],
+            "spent (configurations, runs, CPU-s)": frame.apply(
+                lambda t: f"{t['configurations']}, {t['runs']}, {t['cpu_seconds']}", axis=1),
+        })
+        text = markdown_table(shown)
+    (out / "tables" / "tuning.md").write_text(text)
+    return {"table:tuning": text}
+
+
 def task_table(refs: list[str]) -> pd.DataFrame:
     """One row per task: how it is induced, what truth says it failed, and what its docstring measured."""
     from stabench.suite import registry
@@ -577,6 +612,7 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
         log(f"[{number:>2}/{len(figures)}] {figure.title}: {paths[0].with_suffix('.{pdf,png}')}")
     values = write_tables(main, out, main_runs, views, detectors)
     values["text:task_sections"] = task_sections(main, drawn)
+    values.update(tuning_values(out))
     if cells is not None and classes is not None:
         matrix_module.write_matrix_tables(cells, classes, out)
     values.update(matrix_module.matrix_values(cells, classes, matrix, matrix_reason))

@@ -207,8 +207,101 @@ def load_object(ref: str) -> Any:
     return getattr(module, attr)
 
 
+# A method reference may carry a setting of the method's declared `search_space`: `kl-anchor@coef=0.1`,
+# `path/to/fix.py:Fix@max_norm=2`. It names a class whose attributes hold that setting; the run records the method
+# as `<name>@<setting>`, so a method's default and another setting of it sit side by side in one run.
+SETTING_MARK = "@"
+
+
+def split_setting(ref: str) -> tuple[str, str | None]:
+    """`kl-anchor@coef=0.1` -> ("kl-anchor", "coef=0.1"); a reference without a setting -> (ref, None)."""
+    start = ref.find(".py:") + 4 if ".py:" in ref else 0  # a folder of a plugin path may hold an @
+    at = ref.find(SETTING_MARK, start)
+    return (ref, None) if at < 0 else (ref[:at], ref[at + 1:])
+
+
+def base_name(method: str) -> str:
+    """A recorded method name without its setting: `kl-anchor@coef=0.1` -> `kl-anchor`."""
+    return method.split(SETTING_MARK, 1)[0]
+
+
+def format_value(value: Any) -> str:
+    """A setting's value as it is written in a method's name (floats to 3 significant digits: what runs is what
+    the name says, since `parse_setting` reads the value back from this text)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def setting_text(setting: dict[str, Any]) -> str:
+    """`coef=0.1,estimator=k2`: a setting in its canonical written form (keys sorted)."""
+    return ",".join(f"{key}={format_value(value)}" for key, value in sorted(setting.items()))
+
+
+def _cast(raw: str, default: Any, where: str) -> Any:
+    """A written value as the type of the class attribute's default."""
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(raw)
+            return raw.lower() == "true"
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            value = float(raw)
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError(raw)
+            return value
+        return raw
+    except ValueError:
+        raise StabenchError(f"{where}: expected a {type(default).__name__}, got {raw!r}") from None
+
+
+def parse_setting(cls: type, text: str) -> dict[str, Any]:
+    """The setting `key=value[,key=value]` of a stabilizer class, each key one of its `search_space`, each value
+    cast to the type of the attribute's default."""
+    space = dict(getattr(cls, "search_space", {}) or {})
+    name = getattr(cls, "name", cls.__name__)
+    setting: dict[str, Any] = {}
+    for item in text.split(","):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq or not key or not raw:
+            raise StabenchError(f"malformed setting {text!r} of {name}: write {name}@key=value[,key=value]")
+        if key not in space:
+            known = ", ".join(sorted(space)) or "none (its class declares no search_space)"
+            raise StabenchError(f"{name} has no setting {key!r}; its settings: {known}")
+        if key in setting:
+            raise StabenchError(f"malformed setting {text!r} of {name}: {key} is given twice")
+        value = _cast(raw, getattr(cls, key), f"setting {key} of {name}")
+        setting[key] = _cast(format_value(value), value, key)  # what runs is what the recorded name says
+    return setting
+
+
+def setting_class(plain: str, text: str) -> tuple[type, dict[str, Any]]:
+    """The class of `plain` holding the setting `text`, and the setting; `@tuned` is resolved before (a sweep's
+    request reads the tuning record, `suite.tune.resolve_tuned`)."""
+    if text == "tuned" or text.startswith("tuned="):
+        raise StabenchError(f"{plain}@{text}: a tuned setting is read when a sweep is requested "
+                            f"(`stabench run --methods {plain}@{text}`)")
+    cls = resolve_class("stabilizer", plain)
+    setting = parse_setting(cls, text)
+    return _with_setting(cls, tuple(sorted(setting.items()))), setting
+
+
+@functools.cache
+def _with_setting(cls: type, items: tuple[tuple[str, Any], ...]) -> type:
+    """A subclass whose class attributes hold the setting (cached: one class per setting)."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "__doc__": cls.__doc__, **dict(items)})
+
+
 def canonical(name: str) -> str:
     """A file reference with an absolute path (Ray workers do not share the driver's working folder)."""
+    base, setting = split_setting(name)
+    if setting is not None:
+        return f"{canonical(base)}{SETTING_MARK}{setting}"
     target, sep, attr = name.rpartition(":")
     if sep and (target.endswith(".py") or "/" in target):
         return f"{Path(target).expanduser().resolve()}:{attr}"
@@ -230,6 +323,8 @@ def names(kind: str) -> list[str]:
 def resolve_class(kind: str, name: str) -> type:
     """The class behind a name or reference, checked to be of the right kind."""
     builtins, group, base = _KINDS[kind]
+    if kind == "stabilizer" and split_setting(name)[1] is not None:
+        return setting_class(*split_setting(name))[0]
     if name in builtins:
         cls = load_object(builtins[name])
     elif kind == "task" and name in _REGISTERED_TASKS:
@@ -257,7 +352,11 @@ def get_task(name: str, **knobs: Any) -> Task:
 
 
 def method_name(ref: str) -> str:
-    """The name a method is recorded under: its registered name, or the plugin class's `name`."""
+    """The name a method is recorded under: its registered name, or the plugin class's `name`; with a setting,
+    `<name>@<setting>` in canonical form (`kl-anchor@coef=0.1`)."""
+    plain, text = split_setting(ref)
+    if text is not None:
+        return f"{method_name(plain)}{SETTING_MARK}{setting_text(setting_class(plain, text)[1])}"
     if not is_reference(ref):
         return ref
     cls = resolve_class("stabilizer", ref)

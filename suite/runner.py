@@ -329,6 +329,9 @@ class Experiment:
     identities: list[tuple[str, str, str]] = field(default_factory=list)
     kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds
     present: frozenset[tuple[str, str, str, str]] = frozenset()  # and its trials: (task, method, seed, cell)
+    # method name -> how `stabench tune` chose its setting (`M@tuned`): budget, tuning seeds, search; the leaderboard
+    # row of the method carries it. Kept out of the spec: the spec names the setting itself.
+    tuning: dict[str, dict] = field(default_factory=dict)
 
     @property
     def manifest(self) -> dict:
@@ -339,6 +342,7 @@ class Experiment:
             "libraries": library_versions(),
             "trials": len(self.trials),
             "identities": [list(i) for i in self.identities],
+            **({"tuning": self.tuning} if self.tuning else {}),
         }
 
 

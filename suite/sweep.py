@@ -44,7 +44,22 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     if resume and extend:
         raise StabenchError("--resume and --extend do not go together: finish the run, then extend it")
     from stabench.suite import registry, runner
+    from stabench.suite import tune as tuning
 
+    tuned: dict[str, dict] = {}
+
+    def settle(refs: Sequence[str]) -> tuple[str, ...]:
+        """`M@tuned` -> the setting its tuning record chose; the record goes in the manifest."""
+        out = []
+        for ref in refs:
+            ref, record = tuning.resolve_tuned(ref)
+            if record is not None:
+                tuned[registry.method_name(ref)] = tuning.summary(record)
+            out.append(ref)
+        return tuple(out)
+
+    methods = settle(methods) if methods else methods
+    stabilizers = settle(stabilizers)
     callbacks = ()
     if wandb is not None:  # checked before anything runs; `wandb` is imported only when asked for and installed
         from stabench.suite.curves import wandb_callback
@@ -79,6 +94,13 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     if address:
         runner.check_address(address)
     exp = runner.prepare(folder, spec, resume, extend=extend)
+    exp.tuning = tuned
+    seeds_run = {t.seed for t in exp.trials}
+    for name, record in tuned.items():  # a setting is never scored on the seeds it was chosen on
+        clash = sorted(seeds_run & set(record.get("tuning_seeds", ())))
+        if clash:
+            raise StabenchError(f"{name} was tuned on seeds {tuning.seed_text(clash)}, which this run scores on: "
+                                "score it on other seeds (the leaderboard's: 0-9)")
     warning = uncalibrated_warning(tier)
     if warning:
         print(warning, file=sys.stderr, flush=True)

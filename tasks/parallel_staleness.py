@@ -90,6 +90,7 @@ from stabench.suite.api import (
 )
 from stabench.suite.diagnostics import DIAGNOSTICS, diagnostic
 from stabench.suite.figures import Skip, need, save
+from stabench.tasks.worlds import grids
 from stabench.tasks.worlds.grids import N_ACTIONS, flatten_minigrid, room_table
 from torch import nn
 
@@ -105,47 +106,18 @@ def make_room(size: int, max_steps: int) -> gym.Env:
     return flatten_minigrid(EmptyEnv(size=size, max_steps=max_steps))
 
 
-class RoomVectorEnv(gym.vector.VectorEnv):
-    """`num_envs` empty rooms stepped together from the `RoomTable`: the same observations, transitions,
-    rewards and 30-step (`max_steps`) truncation as `make_room` in a `SyncVectorEnv` with same-step autoreset
-    and `RecordEpisodeStatistics` (tests/test_staleness.py checks it against MiniGrid), about 20x cheaper
-    per step, because MiniGrid re-renders its egocentric view on every step. Finished episodes are reported
-    in `info["final_info"]["episode"]["r"/"l"]` under the mask `info["final_info"]["_episode"]`."""
-
-    metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+class RoomVectorEnv(grids.RoomVectorEnv):
+    """The shared `grids.RoomVectorEnv` (MiniGrid's empty room stepped from its table, same-step autoreset,
+    true episode statistics), built as this task builds it, with the success reward in the order of operations
+    its committed rows were made with: 1.0 - 0.9 * t / T, which differs from MiniGrid's 1 - 0.9 * (t / T) in
+    the last bit at some t (tests/test_staleness.py checks the rest against MiniGrid exactly)."""
 
     def __init__(self, size: int, max_steps: int, num_envs: int) -> None:
-        self.table = room_table(size, max_steps)
-        self.num_envs, self.max_steps = num_envs, max_steps
-        self.single_observation_space = gym.spaces.Box(0.0, 1.0, shape=(OBS_DIM,), dtype=np.float32)
-        self.single_action_space = gym.spaces.Discrete(N_ACTIONS)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
-        self.obs_np = self.table.obs.numpy()
-        self.state = np.full(num_envs, self.table.start)
-        self.t = np.zeros(num_envs, dtype=np.int64)
-        self.ret = np.zeros(num_envs)
+        super().__init__(num_envs, size, max_steps)
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
-        self.state[:] = self.table.start  # the room is deterministic: the seed changes nothing
-        self.t[:], self.ret[:] = 0, 0.0
-        return self.obs_np[self.state].copy(), {}
-
-    def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict]:
-        actions = np.asarray(actions, dtype=np.int64)
-        self.t += 1
-        nxt = self.table.next_state[self.state, actions]
-        terminated = nxt < 0
-        reward = np.where(terminated, 1.0 - 0.9 * self.t / self.max_steps, 0.0)
-        truncated = self.t >= self.max_steps  # as MiniGrid: also on a goal reached at the last step
-        self.ret += reward
-        done = terminated | truncated
-        info: dict[str, Any] = {}
-        if done.any():
-            info["final_info"] = {"episode": {"r": self.ret.copy(), "l": self.t.copy()}, "_episode": done.copy()}
-        self.state = np.where(done, self.table.start, np.maximum(nxt, 0))
-        self.t[done], self.ret[done] = 0, 0.0
-        return self.obs_np[self.state].copy(), reward, terminated, truncated, info
+    @staticmethod
+    def reward(t: np.ndarray, max_steps: int) -> np.ndarray:
+        return 1.0 - 0.9 * t / max_steps
 
 
 # ---- the network ----------------------------------------------------------------------------------------

@@ -7,21 +7,30 @@ that question: the injection raises the update intensity (and with it the churn)
 must relearn, and CHAIN is the matched fix.
 
 Setting (everything the task fixes lives in this file):
-- World: `stabench/EmptyRandomFlat-6x6-v0`, registered here: MiniGrid's empty 6x6 room (4 x 4 floor, goal
-  bottom-right) with a uniformly random start cell and direction, a 40-step timeout, the grids family's flat
-  147-dim view / 10 and 3 actions. 60 states (15 cells x 4 directions) but only 48 distinct observations.
+- World: `stabench/PocketRandomFlat-6x6-v0`, registered here: MiniGrid's empty 6x6 room (4 x 4 floor, goal
+  bottom-right) with two wall cells inside, (3, 4) and (4, 2), that put the goal in a pocket: it can be entered
+  only from (4, 3) heading down, and (4, 3) only from (3, 3) heading right, so every path to it takes a turn in
+  the right place. A uniformly random start cell and direction (MiniGrid's own draws), a 40-step timeout, the
+  grids family's flat 147-dim view / 10 and 3 actions. 52 states (13 cells x 4 directions), 48 distinct
+  observations. Stepped from its state table (`PocketRoomFlat`, equal to MiniGrid's `PocketRoom` bit for bit,
+  starts included; tested).
+- Why the pocket (version 3): a learner that never updates must earn clearly less than one that relearns. An
+  untrained network's greedy policy is close to one action on every state, and in version 2's open room
+  "always forward" arrives from 6 of 60 starts, so `no-update` kept about a tenth of the control's post-onset
+  return. In the pocket "always forward" arrives from 1 of 52 starts and the other constant policies loop
+  (tested), under either rule. The `room` knob ("empty") gives version 2's open room back.
 - The new rule at onset (BOTH branches, `shift=True`): from the onset iteration on, the learner's action a
   executes MiniGrid action ROTATION[a] = (1, 2, 0)[a] (left -> right, right -> forward, forward -> left), the
   replay buffer (transitions of the old rule) is emptied, learning restarts once 256 new transitions are in,
   and epsilon restarts at 1.0 and falls to 0.05 over 2,000 env steps. Same world, same optimum, relabeled
-  controls: the policy of the old rule loops (the old optimal policy earns < 0.15 under the new one,
-  tested), so every post-onset point of return has to be learned again.
+  controls: the policy of the old rule loops (the old optimal policy earns 0 under the new one, tested), so
+  every post-onset point of return has to be learned again.
 - Return: EXACT, not sampled. The world is deterministic, so `StateTable` enumerates every state once by
   driving the real MiniGrid env (observation, and successor under each action) and the row's `return` is the
   greedy policy's expected return from the uniform random start, 1 - 0.9 t / 40 per start (0 if it loops),
   under the rule in force (after onset, the table's columns rotated), from one forward pass per iteration.
-  Optimum 0.89875 under either rule.
-- Held-out states: the same 60 enumerated states; `policy_churn` is the per-update greedy-action change over
+  Optimum 0.8512 under either rule.
+- Held-out states: the same 52 enumerated states; `policy_churn` is the per-update greedy-action change over
   the whole state space, `policy_churn_out` counts only the states whose observation is NOT in that update's
   TD batch (Schaul et al.'s out-of-batch churn), `value_churn` the mean |dQ| per update on them.
 - Trainer: DQN (baselines/dqn.py, unchanged; the task subclasses it only to restart epsilon), 8 envs x 16
@@ -34,46 +43,53 @@ Setting (everything the task fixes lives in this file):
   64 updates per iteration (`updates_mult=2`: replay ratio 32) and Adam's lr 4e-3 (`lr_mult=4`). The control
   keeps 32 updates, lr 1e-3 and the sync every 16 updates.
 - Ground truth: the run fails if the mean exact greedy return over the last third of the run (iterations
-  40-59 at quick) is below 0.6. Matched fix: `chain`, value-churn reduction with the automatic coefficient
-  (baselines/stabilizers/critics.py, beta 0.05 as in the paper's DDQN). Named non-fix: `grad-clip`, global
-  gradient-norm clipping at 0.5. Detector: value churn per update above 0.02, chosen on seeds 100-109 only
-  (above every pre-onset and control value there, below every injected baseline's first updates after onset).
+  40-59 at quick) is below 0.4, a threshold fixed on seeds 0-9 in the gap between the injected baseline's
+  tails (all below it) and its control's (all above it). Matched fix: `chain`, value-churn reduction with the
+  automatic coefficient (baselines/stabilizers/critics.py, beta 0.05 as in the paper's DDQN). Named non-fix:
+  `grad-clip`, global gradient-norm clipping at 0.5. Detector: value churn per update above 0.02 (version 2's
+  spec, chosen then on seeds 100-109 only; kept).
 - Normalization: floor 0.0 = the policy frozen at onset (`frozen-at-onset` earns exactly 0 post-onset on
   every seed 0-9 in both branches: under the rotated controls every frozen greedy policy loops); ceiling
-  0.5604 = the baseline control's mean post-onset return over seeds 0-9 (measured once, fixed; the mean
-  includes the relearning). The optimum 0.89875 is not the ceiling because a control that relearns from
+  0.3892 = the baseline control's mean post-onset return over seeds 0-9 (measured once, fixed; the mean
+  includes the relearning). The optimum 0.8512 is not the ceiling because a control that relearns from
   scratch in 40 iterations reaches only part of it.
-- Chosen on seeds 0-9 (the intensity multipliers, the threshold, the budgets; the exploration before them
-  tried a tanh trunk, larger learning-rate shocks, other replay ratios and target periods).
+- Chosen: the pocket's two walls, among four layouts of one to three wall cells, by what constant policies
+  and the greedy policies of 200 untrained networks earn in them (only this layout was trained); the threshold
+  and the ceiling on seeds 0-9; the intensity multipliers and budgets are version 2's, chosen on seeds 0-9 in
+  the open room.
 
-Mechanism, as measured (quick tier, seeds 0-9, onset 20):
-- Churn rises with the injection: in the first iterations that update after onset, value churn per update is
-  several times the control's and policy churn about twice; over the whole post-onset phase policy churn,
-  out-of-batch churn and value churn all stay above the control's.
-- Capacity goes with it: the share of dead ReLU units (no variation over the 60 states) jumps in the first
-  updating iteration of the injected baseline and keeps climbing, and the injected baseline does not relearn
-  to the threshold while its control does.
-- CHAIN acts on exactly that: its injected value churn right after onset is at the control's level, its dead
-  units stay near the control's, and it relearns above the baseline's own control: with churn held down, the
-  higher intensity speeds relearning, which is the paper's claim. Its own control is a little slower.
-- Gradient clipping at 0.5 does not act on it (rows nearly identical to the baseline's): the TD gradients here
-  are rarely above the clip; the failure is not a gradient spike.
-- Ablation (injected baseline, one factor back to the control's value, seeds 0-2): with the target synced
-  every 16 updates again (`target_every=0`) or at lr x1 (`lr_mult=1`) nothing fails; at replay ratio x1
-  (`updates_mult=1`) it still fails (the extra updates help); the moving target alone (lr x1, replay x1) is
-  slower than the control but mostly above 0.6. So the failure needs the larger step AND the moving target.
-  Per-update churn alone does not discriminate: with the periodic target kept, lr x4 churns about as much and
-  relearns. What the moving target adds is the chain effect CHAIN's paper names: every update's value churn
-  enters the next update's bootstrap target at once and compounds; CHAIN damps the per-update change and with
-  it the compounding. The mechanism the task induces is therefore "churn propagated through a target synced
-  every update at a larger step", with a rise of dead ReLU units going with the failure; which of the two is
-  cause and which consequence was not separated (no run isolates dead units without the moving target).
-- CHAIN's dose (its coefficient beta, injected, seeds 0-2): below the paper's 0.05 it neither reduces the churn
-  nor rescues; at 0.05 it does; at 0.15 it reduces the churn further and slows the healthy phase. The rescue
-  follows the churn reduction.
+Mechanism, as measured (quick tier, seeds 0-9, onset 20; numbers in results/calibration.md):
+- Churn rises with the injection: in the first updating iteration after onset value churn per update is
+  several times the control's and policy churn about twice. Over the whole post-onset phase policy churn and
+  out-of-batch churn are above the control's on every seed; value churn is above it on most seeds, and below
+  it on the seeds whose network has collapsed (nearly every unit dead, Q nearly flat: little left to churn).
+- Capacity goes with it: the share of dead ReLU units (no variation over the 52 states) jumps in the first
+  updating iteration of the injected baseline and keeps climbing to nearly all units, while its control's
+  barely moves; the injected baseline does not relearn to the threshold while its control does.
+- CHAIN acts on exactly that: its injected value churn right after onset is near the control's level, its
+  dead units rise far less, and it relearns above the baseline's own control: with value churn held down, the
+  higher intensity speeds relearning, which is the paper's claim. Its policy churn is not lower than the
+  baseline's while it relearns (its greedy actions change because it is learning); what it holds down is the
+  per-update change of the values that the next update's target reads.
+- Gradient clipping at 0.5 does not act on it (rows nearly identical to the baseline's): the failure is not
+  a gradient spike.
+- Ablation (injected baseline, one factor back to the control's value, seeds 0-2; results/calibration.md):
+  with the target synced every 16 updates again (`target_every=0`: lr x4 and replay x2 kept) one seed of three
+  fails, the others relearn; at lr x1 (`lr_mult=1`: moving target and replay x2 kept) none fails, and all three
+  relearn faster than the control. So the failure needs the larger step, and the target synced every update
+  turns it from an occasional failure into a consistent one. The first updating iteration's value churn
+  orders the four settings (calibrated, periodic target, control, lr x1) inversely to their tails, and the
+  final share of dead units separates the two that fail from the two that relearn.
+  What the moving target adds is the chain effect CHAIN's paper names: every update's value churn enters the
+  next update's bootstrap target at once and compounds; CHAIN damps the per-update change and with it the
+  compounding. The mechanism the task induces is therefore "churn propagated through a target synced every
+  update at a larger step", with a rise of dead ReLU units going with the failure; which of the two is cause
+  and which consequence was not separated.
 
-Experimental: misses the bar by one reference criterion on the calibration seeds (the untrained network's
-greedy policy, `no-update`, scores just above 0.1 normalized); everything else meets it on both seed sets.
+Calibration: experimental. On seeds 0-9 the task meets the whole bar, `no-update` included (version 2 missed
+it only there). On fresh seeds 100-109 one failure-rate check misses: the baseline's control fails more often
+than the bar allows; in the pocket the control relearns slowly and on some seeds stalls (on seeds 0-9 its
+lowest tail was already close to the threshold).
 Measured numbers, per seed set: results/calibration.md (runs in results/calibration/policy-churn/).
 """
 
@@ -88,25 +104,25 @@ from typing import TYPE_CHECKING, Any
 import gymnasium as gym
 import numpy as np
 import torch
+from minigrid.core.grid import Grid
+from minigrid.core.world_object import Goal, Wall
 from minigrid.envs import EmptyEnv
 from stabench.baselines.dqn import DQN, DQNConfig, QNetwork, q_spec, softmax_entropy
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.suite.figures import lines, need
-from stabench.tasks.worlds.grids import (
-    N_ACTIONS,
-    OBS_SCALE,
-    RandomStartRoomFlat,
-    flatten_minigrid,
-    make_vector_env,
-)
+from stabench.tasks.worlds.grids import N_ACTIONS, flat_view, flatten_minigrid, make_vector_env
 
 if TYPE_CHECKING:
     import pandas as pd
 
 SIZE = 6
 MAX_STEPS = 40
-ENV_ID = f"stabench/EmptyRandomFlat-{SIZE}x{SIZE}-v0"
+# The pocket: two wall cells inside the room. The goal (bottom-right corner, 4, 4) can then be entered only from
+# (4, 3) heading down, and (4, 3) only from (3, 3) heading right, so reaching it takes a turn in the right place.
+WALLS: tuple[tuple[int, int], ...] = ((3, 4), (4, 2))
+ROOMS: dict[str, tuple[tuple[int, int], ...]] = {"pocket": WALLS, "empty": ()}  # the `room` knob (empty: version 2)
+ENV_ID = f"stabench/PocketRandomFlat-{SIZE}x{SIZE}-v0"
 OBS_DIM = 147  # 7 x 7 x 3 egocentric view, flattened
 WIDTH, DEPTH, ACTIVATION = 64, 2, "relu"
 FROZEN_RANGE = 0.01  # a hidden unit is frozen if its activation varies less than this over all states
@@ -116,16 +132,30 @@ DQN_CONFIG = DQNConfig(num_envs=8, num_steps=16, updates_per_iteration=32, batch
                        start_e=1.0, end_e=0.05, exploration_steps=2_000, learning_starts=256)
 
 
-def make_empty_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
-    """MiniGrid's empty room, start cell and direction uniformly random, goal bottom-right, flat interface: stepped
-    from its table (`RandomStartRoomFlat`, equal to `minigrid_empty_random_flat` bit for bit, starts included)."""
-    return RandomStartRoomFlat(size=size, max_steps=max_steps, render_mode=render_mode)
+class PocketRoom(EmptyEnv):
+    """MiniGrid's empty room (goal bottom-right, uniformly random start cell and direction) with wall cells `walls`
+    inside it: `EmptyEnv._gen_grid` with the walls set before the agent is placed, so MiniGrid never starts it on
+    one (with `walls=()` it is `EmptyEnv(agent_start_pos=None)` draw for draw)."""
+
+    def __init__(self, size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
+                 render_mode: str | None = None) -> None:
+        self.walls = tuple((int(x), int(y)) for x, y in walls)
+        super().__init__(size=size, agent_start_pos=None, max_steps=max_steps, render_mode=render_mode)
+
+    def _gen_grid(self, width: int, height: int) -> None:
+        self.grid = Grid(width, height)
+        self.grid.wall_rect(0, 0, width, height)
+        self.put_obj(Goal(), width - 2, height - 2)
+        for x, y in self.walls:
+            self.grid.set(x, y, Wall())
+        self.place_agent()
+        self.mission = "get to the green goal square"
 
 
-def minigrid_empty_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS,
-                               render_mode: str | None = None) -> gym.Env:
-    """The same world as MiniGrid itself steps it (the reference the table-driven room is tested against)."""
-    return flatten_minigrid(EmptyEnv(size=size, agent_start_pos=None, max_steps=max_steps, render_mode=render_mode))
+def minigrid_pocket_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
+                                render_mode: str | None = None) -> gym.Env:
+    """The world as MiniGrid itself steps it (the reference the table-driven room is tested against)."""
+    return flatten_minigrid(PocketRoom(size, max_steps, walls, render_mode))
 
 
 # ---- the world, enumerated: exact greedy return and the held-out states ----------------------------------------
@@ -134,13 +164,14 @@ class StateTable:
     """Every (cell, direction) state of the world: its observation and its deterministic transitions.
 
     Built once by driving the real MiniGrid env from each state with each action. `next_state[s, a]` is the
-    successor's index, -1 where the action reaches the goal and ends the episode.
+    successor's index, -1 where the action reaches the goal and ends the episode (`goal_obs[s]`: the view then).
     """
 
     states: tuple[tuple[int, int, int], ...]  # (x, y, direction) of each state
     obs: torch.Tensor  # S x obs_dim, exactly the observations the env emits (aliased states share one)
     next_state: np.ndarray  # S x A
     max_steps: int
+    goal_obs: np.ndarray  # S x obs_dim: the view after stepping onto the goal from s (zeros where no action does)
 
     def greedy_steps(self, greedy: np.ndarray, next_state: np.ndarray | None = None) -> np.ndarray:
         """Steps to the goal from every state under a deterministic policy (inf where it loops).
@@ -168,35 +199,119 @@ class StateTable:
         return float(np.where(t <= self.max_steps, 1.0 - 0.9 * t / self.max_steps, 0.0).mean())
 
 
-_TABLES: dict[tuple[int, int], StateTable] = {}
+_TABLES: dict[tuple, StateTable] = {}
 
 
-def state_table(size: int = SIZE, max_steps: int = MAX_STEPS) -> StateTable:
+def state_table(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS) -> StateTable:
     """The world's state table (built on first use, then cached in the process)."""
-    key = (size, max_steps)
+    walls = tuple((int(x), int(y)) for x, y in walls)
+    key = (size, max_steps, walls)
     if key not in _TABLES:
-        env = EmptyEnv(size=size, agent_start_pos=None, max_steps=max_steps)
+        env = PocketRoom(size, max_steps, walls)
         env.reset(seed=0)
         states = [(x, y, d) for y in range(1, size - 1) for x in range(1, size - 1) for d in range(4)
                   if env.grid.get(x, y) is None]  # every start MiniGrid can draw: empty cells x 4 directions
         index = {s: i for i, s in enumerate(states)}
         obs, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
+        goal_obs = np.zeros((len(states), OBS_DIM), dtype=np.float32)
         for i, (x, y, d) in enumerate(states):
             env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-            image = np.asarray(env.gen_obs()["image"], dtype=np.float32)
-            obs.append((image.reshape(-1) / OBS_SCALE).astype(np.float32))  # as worlds.grids.FlatObs does
+            obs.append(flat_view(env.gen_obs()["image"]))  # as worlds.grids.FlatObs does
             for a in range(N_ACTIONS):
                 env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-                _, _, terminated, _, _ = env.step(a)
-                after = (int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))
-                nxt[i, a] = -1 if terminated else index[after]
-        _TABLES[key] = StateTable(tuple(states), torch.as_tensor(np.stack(obs)), nxt, max_steps)
+                view, _, terminated, _, _ = env.step(a)
+                if terminated:
+                    nxt[i, a], goal_obs[i] = -1, flat_view(view["image"])
+                else:
+                    nxt[i, a] = index[(int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))]
+        _TABLES[key] = StateTable(tuple(states), torch.as_tensor(np.stack(obs)), nxt, max_steps, goal_obs)
     return _TABLES[key]
 
 
-def optimal_return(size: int = SIZE, max_steps: int = MAX_STEPS) -> float:
+class PocketRoomFlat(gym.Env):
+    """The pocket room behind the grids family's flat interface, stepped from its `StateTable`.
+
+    Observations, rewards (1 - 0.9 t / T on reaching the goal), termination, truncation and the random starts
+    (MiniGrid's `place_agent` draws, in MiniGrid's order) are those of `minigrid_pocket_random_flat` bit for bit
+    (a test steps both side by side); MiniGrid re-renders its view on every step, the table does not.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
+
+    def __init__(self, size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
+                 render_mode: str | None = None) -> None:
+        self.size, self.max_steps, self.render_mode = int(size), int(max_steps), render_mode
+        self.walls = tuple((int(x), int(y)) for x, y in walls)
+        self.table = state_table(self.size, self.max_steps, self.walls)
+        self._obs = self.table.obs.numpy()
+        self.index = {cell: i for i, cell in enumerate(self.table.states)}
+        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(OBS_DIM,), dtype=np.float32)
+        self.action_space = gym.spaces.Discrete(N_ACTIONS)
+        self.state, self.step_count, self.last = 0, 0, (0, 0, 0)
+        self._painter: PocketRoom | None = None
+
+    @property
+    def agent_pos(self) -> tuple[int, int]:
+        """The agent's cell, as MiniGrid's attribute (the goal's once reached)."""
+        return self.last[:2]
+
+    @property
+    def agent_dir(self) -> int:
+        """The agent's heading, as MiniGrid's attribute (0 right, 1 down, 2 left, 3 up)."""
+        return self.last[2]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        rng = self.np_random
+        while True:  # MiniGridEnv.place_obj(None): a cell over the whole grid, x then y, until it is free
+            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
+            if (x, y, 0) in self.index:
+                break
+        self.state, self.step_count = self.index[(x, y, int(rng.integers(0, 4)))], 0
+        self.last = self.table.states[self.state]
+        return self._obs[self.state].copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
+        a = int(action)
+        if not 0 <= a < N_ACTIONS:
+            raise ValueError(f"action {action!r} is not one of the room's {N_ACTIONS} actions")
+        if self.state < 0:
+            raise RuntimeError("the agent stands on the goal: call reset() before stepping again")
+        self.step_count += 1
+        nxt = int(self.table.next_state[self.state, a])
+        truncated = self.step_count >= self.max_steps  # as MiniGrid: also on a goal reached at the last step
+        if nxt < 0:
+            obs, self.state = self.table.goal_obs[self.state].copy(), -1
+            self.last = (self.size - 2, self.size - 2, self.last[2])
+            return obs, 1 - 0.9 * (self.step_count / self.max_steps), True, truncated, {}
+        self.state, self.last = nxt, self.table.states[nxt]
+        return self._obs[nxt].copy(), 0.0, False, truncated, {}
+
+    def render(self) -> np.ndarray | None:
+        if self.render_mode is None:
+            return None
+        if self._painter is None:
+            self._painter = PocketRoom(self.size, self.max_steps, self.walls, render_mode=self.render_mode)
+            self._painter.reset(seed=0)
+        self._painter.agent_pos, self._painter.agent_dir = self.last[:2], self.last[2]
+        self._painter.step_count = self.step_count
+        return self._painter.render()
+
+    def close(self) -> None:
+        if self._painter is not None:
+            self._painter.close()
+            self._painter = None
+
+
+def make_pocket_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
+                            render_mode: str | None = None) -> gym.Env:
+    """The pocket room, start cell and direction uniformly random, flat interface, stepped from its table."""
+    return PocketRoomFlat(size, max_steps, walls, render_mode)
+
+
+def optimal_return(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS) -> float:
     """Expected return of the optimal policy from the uniform random start (shortest paths on the table)."""
-    table = state_table(size, max_steps)
+    table = state_table(size, max_steps, walls)
     dist = np.full(len(table.obs), math.inf)
     for _ in range(len(table.obs) + 1):  # Bellman-Ford on unit-cost edges
         succ = np.where(table.next_state < 0, 0.0, dist[np.maximum(table.next_state, 0)])
@@ -254,6 +369,7 @@ class Knobs:
     ramp: int = 0  # iterations over which the lr multiplier rises geometrically to lr_mult (0: all at once)
     shift: bool = True  # at onset, in BOTH branches, the action labels rotate (the new rule to learn)
     activation: str = ACTIVATION  # the Q-network's trunk nonlinearity ("tanh" or "relu")
+    room: str = "pocket"  # the world: "pocket" (the goal behind two wall cells) or "empty" (version 2's room)
     onset: int | None = None  # first injected iteration at the quick and full tiers (None: the tier's own)
 
     def check(self, shortest_run: int) -> None:
@@ -275,6 +391,8 @@ class Knobs:
             raise StabenchError(f"policy-churn: shift must be a bool, got {self.shift!r}")
         if self.activation not in ("tanh", "relu"):
             raise StabenchError(f"policy-churn: activation must be 'tanh' or 'relu', got {self.activation!r}")
+        if self.room not in ROOMS:
+            raise StabenchError(f"policy-churn: room must be one of {', '.join(ROOMS)}, got {self.room!r}")
 
 
 # ---- one run ----------------------------------------------------------------------------------------------------
@@ -285,9 +403,10 @@ class PolicyChurnRun:
     def __init__(self, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], knobs: Knobs,
                  onset: int) -> None:
         self.cfg = replace(DQN_CONFIG, seed=seed)
-        self.table = state_table()
+        walls = ROOMS[knobs.room]
+        self.table = state_table(walls=walls)
         self.next_state = self.table.next_state
-        envs = make_vector_env(ENV_ID, self.cfg.num_envs)
+        envs = make_vector_env(ENV_ID, self.cfg.num_envs, walls=walls)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = QNetwork(q_spec(OBS_DIM, N_ACTIONS, WIDTH, DEPTH, knobs.activation))
@@ -354,24 +473,24 @@ class PolicyChurn(Task):
 
     id = "policy-churn"
     family = "grids"
-    version = "2"
+    version = "3"
     trainer = "dqn"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
         "quick": Budget(iterations=60, onset=20, seeds=5),
         "full": Budget(iterations=120, onset=40, seeds=10),
     }
-    ground_truth = GroundTruth(metric="return", threshold=0.6, fails_when="below", reduce="tail_mean", tail=1 / 3)
+    ground_truth = GroundTruth(metric="return", threshold=0.4, fails_when="below", reduce="tail_mean", tail=1 / 3)
     matched_fix = "chain"
     methods = ("baseline", "chain", "grad-clip")
     detector = DetectorSpec(metric="value_churn", threshold=0.02)  # chosen on seeds 100-109 (docstring)
     diagnostics = ("churn", "grad_norms")
     return_floor = 0.0  # frozen-at-onset's post-onset return, seeds 0-9 (exactly 0: every frozen policy loops)
-    return_ceiling = 0.5604  # the baseline control's mean post-onset return, seeds 0-9 (docstring)
+    return_ceiling = 0.3892  # the baseline control's mean post-onset return, seeds 0-9 (docstring)
     experimental = True
 
     knobs_type = Knobs
-    environments = {"stabench/EmptyRandomFlat-6x6-v0": ("make_empty_random_flat", {"size": 6, "max_steps": 40})}
+    environments = {"stabench/PocketRandomFlat-6x6-v0": ("make_pocket_random_flat", {"size": 6, "max_steps": 40})}
     figures = (
         Figure("08_policy_churn", "policy churn",
                "Policy churn on policy-churn (experimental): the share of held-out states whose greedy action one "
@@ -379,17 +498,19 @@ class PolicyChurn(Task):
                draw_churn),
     )
     paper = (
-        "On policy-churn (experimental) a DQN learner in a small MiniGrid room meets a new rule at onset in both "
-        "branches: the action labels rotate, so the greedy policy of the old rule loops and every point of return "
-        "must be learned again. The injection raises the update intensity at that moment, on the three axes "
-        "CHAIN's authors scale: the target network synced after every update, twice the replay ratio and four "
-        "times the step size. Churn, the change one update makes to the greedy actions and values on states "
-        "outside its batch, rises two to four times, and through a target synced every update each update's "
-        "change enters the next one's bootstrap target and compounds; the baseline fails all 10 calibration "
-        "seeds while its control relearns. CHAIN, which penalizes that per-update change, brings the churn back "
-        "to the control's level and rescues every seed, and the higher intensity then speeds relearning, as its "
-        "authors claim; gradient clipping does not act on it. The task misses the bar only because the untrained "
-        "network's greedy policy scores 0.105 normalized (at most 0.1 allowed)."
+        "On policy-churn (experimental) a DQN learner in a small MiniGrid room, its goal in a pocket behind two wall "
+        "cells, meets a new rule at onset in both branches: the action labels rotate, so the greedy policy of the "
+        "old rule loops and every point of return must be learned again, and a policy that wanders, as an "
+        "untrained network's nearly constant greedy policy does, almost never enters the pocket. The injection "
+        "raises the update intensity at that moment, on the three axes CHAIN's authors scale: the target network "
+        "synced after every update, twice the replay ratio and four times the step size. Churn, the change one "
+        "update makes to the greedy actions and values on states outside its batch, rises, and through a target "
+        "synced every update each update's change enters the next one's bootstrap target and compounds; most of "
+        "the network's ReLU units die and the baseline does not relearn while its control does. CHAIN, which "
+        "penalizes the per-update change of the values, holds value churn near the control's level and rescues, "
+        "and the higher intensity then speeds relearning, as its authors claim; gradient clipping does not act on "
+        "it. The task meets the bar on its calibration seeds but not on fresh ones, where the baseline's own "
+        "control, relearning slowly in the pocket, fails too often."
     )
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> PolicyChurnRun:

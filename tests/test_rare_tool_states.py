@@ -154,9 +154,9 @@ def test_bad_knobs_raise(knobs: dict) -> None:
         RareToolStates(**knobs)
 
 
-@pytest.mark.parametrize("onset", [-1, 0, 120, 10_000, 2.5, True])
+@pytest.mark.parametrize("onset", [-1, 0, 180, 10_000, 2.5, True])
 def test_bad_onset_raises(onset: object) -> None:
-    message = f"rare-tool-states: onset must be an integer in 1..119 (inside every quick and full run), got {onset!r}"
+    message = f"rare-tool-states: onset must be an integer in 1..179 (inside every quick and full run), got {onset!r}"
     with pytest.raises(StabenchError) as raised:
         RareToolStates(onset=onset)
     assert str(raised.value) == message
@@ -186,16 +186,19 @@ def test_exact_sampler_outside_the_injection_and_a_non_learner_fails() -> None:
     assert task.return_floor < task.ground_truth.threshold
 
 
-def test_version_3_budget_matched_fix_and_anchors() -> None:
-    """Version 3: 100 post-onset iterations at quick, token-level truncated IS as the matched fix (turn-is a
-    variant), the failure tail is iterations 90-119, and the control's reach clears the ground truth's bar."""
+def test_version_4_budget_matched_fix_and_anchors() -> None:
+    """Version 4: 160 post-onset iterations at quick (version 3 had 100; same onset), token-level truncated IS as
+    the matched fix (turn-is a variant), the failure tail is iterations 135-179, the full tier's post-onset phase
+    is no shorter, and the control's reach clears the ground truth's bar."""
     task = RareToolStates()
     quick = task.budget("quick")
-    assert (quick.iterations, quick.onset) == (120, 20)
+    assert (quick.iterations, quick.onset) == (180, 20) and task.version == "4"
+    full = task.budget("full")
+    assert full.iterations - full.onset >= quick.iterations - quick.onset
     assert task.matched_fix == "token-tis" and task.role("token-tis") == "matched-fix"
     assert task.role("turn-is") == "other" and "turn-is" in task.methods
     assert resolve_class("stabilizer", task.matched_fix) is TokenTIS
     tail = math.ceil(task.ground_truth.tail * quick.iterations)
-    assert quick.iterations - tail == 90
+    assert quick.iterations - tail == 135
     assert task.return_floor < task.ground_truth.threshold < task.return_ceiling <= 1.0
     assert task.normalized_return(task.return_floor) == 0.0

@@ -21,6 +21,8 @@ in PPO and tool-PPO, the learner's recomputed pi_old in GRPO and token-PPO). `po
   named non-fix on hard-sample-shortcuts: it shrinks the lucky push, it does not remove it.
 - `grad-clip`: rescale all gradients together so their joint L2 norm is at most 0.5 (CleanRL's default,
   kept out of the trainers). A named non-fix on the grid tasks: Adam normalizes the length away again.
+
+Each declares the coefficient `stabench tune` searches (`search_space`); the values above are the defaults.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from ray import tune
 from stabench.suite.api import Stabilizer
 from torch import nn
 
@@ -57,6 +60,7 @@ class ClipHigher(Stabilizer):
     needs = POLICY_KEYS
     eps_low: float = 0.2
     eps_high: float = 0.28
+    search_space = {"eps_high": tune.uniform(0.2, 0.6)}  # from the symmetric clip to three times its width
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per_action = policy_term(trainer_ratio(batch), batch["advantages"], self.eps_low, self.eps_high)
@@ -69,6 +73,7 @@ class DualClip(Stabilizer):
     name = "dual-clip"
     needs = POLICY_KEYS
     c: float = 3.0
+    search_space = {"c": tune.uniform(1.5, 10.0)}
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         adv = batch["advantages"]
@@ -83,6 +88,7 @@ class AdvantageClip(Stabilizer):
     name = "advantage-clip"
     needs = frozenset({"advantages"})
     c: float = 1.0
+    search_space = {"c": tune.loguniform(0.3, 3.0)}
 
     def advantages(self, advantages: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return advantages.clamp(-self.c, self.c)
@@ -93,6 +99,7 @@ class GradClip(Stabilizer):
 
     name = "grad-clip"
     max_norm: float = 0.5
+    search_space = {"max_norm": tune.loguniform(0.05, 5.0)}  # a decade either side of CleanRL's 0.5
 
     def after_backward(self, model: nn.Module) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
+from ray import tune
 from stabench.baselines.stabilizers.clipping import token_weighted_sum
 from stabench.suite.api import Stabilizer
 
@@ -31,6 +32,7 @@ class EntropyBonus(Stabilizer):
     name = "entropy-bonus"
     needs = frozenset({"entropy", "token_weight"})
     coef: ClassVar[float] = 0.05
+    search_space = {"coef": tune.loguniform(0.001, 0.3)}  # from barely there to a policy held near uniform
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {**terms, "entropy_bonus": entropy_bonus(batch, self.coef)}

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from ray import tune
 from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, token_weighted_sum
 from stabench.suite.api import Stabilizer
 
@@ -47,6 +48,7 @@ class TokenTIS(Stabilizer):
     name = "token-tis"
     needs = POLICY_KEYS | {"old_logp", "behaviour_logp"}
     max_weight: float = 2.0  # C
+    search_space = {"max_weight": tune.loguniform(1.0, 10.0)}  # C: from no up-weighting to a loose cap
 
     def log_weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """log(pi_old / q) per action, before truncation."""
@@ -88,6 +90,7 @@ class TurnLevelIS(Stabilizer):
     name = "turn-is"
     needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "turn", "mask"}
     max_weight: float = 2.0  # C
+    search_space = {"max_weight": tune.loguniform(1.0, 10.0)}
     geometric: bool = False  # True: the turn weight is the geometric mean of the token ratios (SORL's turn ratio)
     turn_ratio: bool = False  # True: the trust-region ratio at the turn level too (SORL's Turn-PPO ratio)
 

@@ -23,7 +23,8 @@ implementation, two settings:
 - `kl-anchor`: k3 at coef 0.3, added beside the trainer's own KL term (the term DAPO/TTRL-style recipes drop;
   useful where the reference is a diverse policy, the warm start);
 - `kl-k2-anchor`: k2 at coef 0.05, in place of the trainer's own KL term (a stronger reverse-KL anchor).
-Both need a reference (`ref_logp`): a trainer without one has nothing to anchor to.
+Both need a reference (`ref_logp`): a trainer without one has nothing to anchor to. `stabench tune` searches coef
+on a log scale (`search_space`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Literal
 
 import torch
+from ray import tune
 from stabench.baselines.stabilizers.clipping import token_weighted_sum
 from stabench.suite.api import Stabilizer
 from stabench.suite.diagnostics import kl_estimate
@@ -80,6 +82,7 @@ class KLAnchor(Stabilizer):
     estimator: ClassVar[Literal["k2", "k3"]] = "k3"
     coef: ClassVar[float] = 0.3
     replace: ClassVar[bool] = False  # True: the anchor takes the place of the trainer's own KL term
+    search_space = {"coef": tune.loguniform(0.01, 3.0)}  # two decades around both anchors' defaults
 
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         anchor = self.coef * token_weighted_sum(kl_estimate(batch["logp"], batch["ref_logp"], self.estimator), batch)
