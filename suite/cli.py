@@ -94,7 +94,8 @@ def run_sweep(args: argparse.Namespace) -> Path:
     return sweep(args.tasks, tier=args.tier, methods=args.methods, family=args.family, seeds=args.seeds,
                  seed_start=args.seed_start, stabilizers=args.stabilizer or (), detectors=args.detector or (),
                  out=args.out, cpus=args.cpus, address=args.address, grid=args.grid, matrix=args.matrix,
-                 resume=args.resume, extend=args.extend, wandb=args.wandb, tensorboard=not args.no_tensorboard)
+                 resume=args.resume, extend=args.extend, replace=args.replace or (), wandb=args.wandb,
+                 tensorboard=not args.no_tensorboard)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extend", action="store_true",
                    help="add the named tasks that the finished experiment in --out lacks (same request otherwise); "
                         "its rows are kept, only the new tasks run")
+    p.add_argument("--replace", action="append", metavar="TASK",
+                   help="with --extend: drop this kept task's rows and run it again (repeatable), for a task whose "
+                        "version changed; every other task's rows are kept")
     p.add_argument("--grid", help="a named sweep of task knobs, for example: staleness")
     p.add_argument("--matrix", action="store_true",
                    help="every registered stabilizer on every task (where one does not act, it scores as the baseline)")

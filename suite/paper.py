@@ -29,12 +29,11 @@ from stabench.suite.api import REFERENCE_METHODS, Figure, StabenchError, Task
 from stabench.suite.figures import ONSET_STYLE, Skip, markdown_table, onset_line, save, setup
 
 PAPER = Path("paper")
-# The default suite's quick tier, the staleness grid, and the experimental tasks' 10-seed calibration runs.
+# The default suite's quick tier, the staleness grid, and the experimental tasks' 10-seed calibration runs (a default
+# task's rows come from the quick tier only: its calibration runs would repeat seeds the quick tier holds).
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
                    *(Path("results/calibration") / task / "seeds-0-9"
-                     for task in ("representation-collapse", "policy-churn", "value-cold-start", "dead-layers",
-                                  "missing-critic", "rare-tool-states", "length-explosion", "inference-mismatch",
-                                  "moe-routing"))]
+                     for task in ("representation-collapse", "policy-churn", "value-cold-start", "moe-routing"))]
 MATRIX = Path("results/matrix")  # `stabench run --matrix`: every stabilizer on every default task
 
 
@@ -90,6 +89,102 @@ def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
     ax.tick_params(axis="x", rotation=30)
     ax.set_title("Failure-mode map: how well and how early each diagnostic tells failing runs from healthy ones")
     return save(fig, out, "01_failure_mode_map")
+
+
+# Seed 004's detection claim: tool-state statistics warn where their aggregates do not. Each pair is a diagnostic
+# split to the tokens written in tool states and the same diagnostic over every token, read with the side fixed
+# before any run was scored (the seed: tool states grow ratio tails, lose effective sample size and stay uncertain).
+SPLIT_PAIRS = (("ratio_p99_tool", "ratio_p99", True), ("ratio_ess_tool", "ratio_ess", False),
+               ("entropy_tool", "entropy", True))
+
+
+def split_detection(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per task logging a tool-state split, per pair of `SPLIT_PAIRS` and per built-in change rule (calibrated
+    threshold, CUSUM, Page-Hinkley; warm-up half the onset): the rule's skill score with its 95% interval and
+    median lead on the tool-state diagnostic and on its aggregate, scored on the same runs."""
+    from stabench.suite import detectors, registry
+    from stabench.suite.detectors import CalibratedThreshold, Cusum, PageHinkley, default_warmup
+
+    rules = {"calibrated-threshold": CalibratedThreshold, "cusum": Cusum, "page-hinkley": PageHinkley}
+    per_run = scoring.outcomes(table) if per_run is None else per_run
+    out = []
+    for task_id, rows in table.groupby("task"):
+        pairs = [(s, a, up) for s, a, up in SPLIT_PAIRS if s in rows and a in rows and rows[s].notna().any()]
+        if not pairs:
+            continue
+        task = registry.get_task(rows["task_ref"].iloc[0])
+        budget = task.budget(rows["tier"].iloc[0])
+        columns = {f"alarm/{rule}:{m}": np.zeros(len(rows), bool) for rule in rules for s, a, _ in pairs
+                   for m in (s, a)}
+        position = pd.Series(np.arange(len(rows)), index=rows.index)
+        for _, run in rows.groupby(["method", "seed", "variant"]):
+            run = run.sort_values("iteration")
+            visible = detectors.visible_frame(run, task).to_dict("records")
+            where = position[run.index].to_numpy()
+            for rule, cls in rules.items():
+                for split, aggregate, above in pairs:
+                    for metric in (split, aggregate):
+                        det = cls(metric, default_warmup(budget), above=above)
+                        columns[f"alarm/{rule}:{metric}"][where] = [det.update(r) for r in visible]
+        bare = rows.drop(columns=[c for c in rows.columns if c.startswith("alarm/")])
+        scored = pd.DataFrame(scoring.detector_track(bare.assign(**columns), per_run)).set_index("detector")
+        for split, aggregate, above in pairs:
+            for rule in rules:
+                mine, theirs = scored.loc[f"{rule}:{split}"], scored.loc[f"{rule}:{aggregate}"]
+                out.append({"task": task_id, "tool-state diagnostic": split, "aggregate": aggregate,
+                            "side": "above" if above else "below", "rule": rule,
+                            "split score": mine["score"], "split ci_low": mine["ci_low"],
+                            "split ci_high": mine["ci_high"], "split median lead": mine["median_lead"],
+                            "aggregate score": theirs["score"], "aggregate ci_low": theirs["ci_low"],
+                            "aggregate ci_high": theirs["ci_high"], "aggregate median lead": theirs["median_lead"],
+                            "failing runs": int(mine["n_failures"]), "negative runs": int(mine["n_negatives"])})
+    return pd.DataFrame(out)
+
+
+def split_detection_summary(frame: pd.DataFrame) -> str:
+    """One sentence on seed 004's claim from the comparison: where the tool-state reading is better (intervals apart),
+    and whether it warned earlier there (median lead above 0 and above the aggregate's)."""
+    if frame.empty:
+        return "No task in these results logs a tool-state split, so the claim was not tested"
+    shown = split_detection_table(frame)
+    better = frame[shown["verdict"] == "split better"]
+    worse = int((shown["verdict"] == "aggregate better").sum())
+    earlier = better[(better["split median lead"] > 0)
+                     & ~(better["split median lead"] <= better["aggregate median lead"])]
+    where = ", ".join(f"{r['rule']} on {r['tool-state diagnostic']} ({r['task']})" for _, r in better.iterrows())
+    text = (f"Of {len(frame)} comparisons the tool-state reading is better in {len(better)}"
+            + (f" ({where})" if where else "") + f", the aggregate in {worse}, and the intervals overlap in the rest; ")
+    if earlier.empty:
+        return text + "in none is the better tool-state reading also earlier than the failure and the aggregate"
+    return text + f"in {len(earlier)} it also warns earlier than both"
+
+
+def split_detection_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The split-vs-aggregate comparison as a reader reads it, with the verdict per row (intervals apart or not)."""
+    if frame.empty:
+        return frame
+
+    def cell(row: pd.Series, side: str) -> str:
+        lead = row[f"{side} median lead"]
+        lead_text = "-" if pd.isna(lead) else f"{lead:.0f}"
+        return (f"{row[f'{side} score']:.1f} [{row[f'{side} ci_low']:.1f}, {row[f'{side} ci_high']:.1f}]; "
+                f"lead {lead_text}")
+
+    def verdict(row: pd.Series) -> str:
+        if row["split ci_low"] > row["aggregate ci_high"]:
+            return "split better"
+        if row["aggregate ci_low"] > row["split ci_high"]:
+            return "aggregate better"
+        return "intervals overlap"
+
+    return pd.DataFrame({
+        "task": frame["task"], "rule": frame["rule"],
+        "tool-state diagnostic (side)": frame["tool-state diagnostic"] + " (" + frame["side"] + ")",
+        "score, tool states": frame.apply(cell, axis=1, side="split"),
+        "score, aggregate": frame.apply(cell, axis=1, side="aggregate"),
+        "verdict": frame.apply(verdict, axis=1),
+        "runs (failing / negative)": frame["failing runs"].astype(str) + " / " + frame["negative runs"].astype(str),
+    })
 
 
 def experimental_tasks(table: pd.DataFrame) -> set[str]:
@@ -412,7 +507,11 @@ def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = 
                                         else pd.DataFrame()),
     }
     tables["tasks"] = task_table(sorted(table["task_ref"].unique()))
-    shown = {"aggregate": ranking_table(ranking), "experimental_returns": apart_table(apart)}
+    tables["split_detection"] = pd.concat([split_detection(det_table, det_runs),
+                                           split_detection(others, per_run) if len(others) else pd.DataFrame()],
+                                          ignore_index=True)
+    shown = {"aggregate": ranking_table(ranking), "experimental_returns": apart_table(apart),
+             "split_detection": split_detection_table(tables["split_detection"])}
     rendered = {}
     for name, frame in tables.items():
         frame.to_csv(out / "tables" / f"{name}.csv", index=False)
@@ -430,6 +529,7 @@ def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = 
     rendered["value:control_failure_mean"] = f"{base['control_failure_rate'].mean():.2f}" if len(base) else "n/a"
     rendered["value:fix_failure_mean"] = f"{fix['failure_rate'].mean():.2f}" if len(fix) else "n/a"
     rendered["value:ranking_note"] = ranking_note
+    rendered["value:split_detection_summary"] = split_detection_summary(tables["split_detection"])
     rendered["value:detector_note"] = detector_note
     rendered["table:best_detectors"] = markdown_table(_best_detectors(tables["detector_track"]))
     rendered["table:best_detectors_experimental"] = markdown_table(

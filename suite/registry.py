@@ -141,6 +141,7 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
     "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
     "r2m-features": "stabench.baselines.stabilizers.reward_models:R2MFeatures",
+    "tool-state-groups": "stabench.baselines.stabilizers.tool_states:ToolStateGroups",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {

@@ -327,7 +327,8 @@ class Experiment:
     spec: ExperimentSpec
     trials: list[TrialSpec] = field(default_factory=list)
     identities: list[tuple[str, str, str]] = field(default_factory=list)
-    kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds
+    kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds (and keeps)
+    replaced: tuple[str, ...] = ()  # an extension: the tasks the folder holds whose rows are dropped and run again
     present: frozenset[tuple[str, str, str, str]] = frozenset()  # and its trials: (task, method, seed, cell)
     # method name -> how `stabench tune` chose its setting (`M@tuned`): budget, tuning seeds, search; the leaderboard
     # row of the method carries it. Kept out of the spec: the spec names the setting itself.
@@ -346,16 +347,22 @@ class Experiment:
         }
 
 
-def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False) -> Experiment:
+def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
+            replace: tuple[str, ...] = ()) -> Experiment:
     """Check the output folder against the request; writes nothing.
 
     `extend`: the folder holds a finished experiment whose request differs from this one only by lacking some
-    of its tasks; only the missing tasks' trials are to run (their rows do not depend on the other tasks')."""
+    of its tasks; only the missing tasks' trials are to run (their rows do not depend on the other tasks').
+    `replace`: tasks the folder holds whose rows are stale (the task changed); their rows are dropped and their
+    trials run again, as if they were missing."""
     exp = Experiment(out, spec, *spec.plan())
     manifest_path = out / MANIFEST
     if extend:
-        exp.kept = _extension_base(out, spec)
+        held = _extension_base(out, spec, replace)
+        exp.kept = tuple(t for t in held if t not in replace)
+        exp.replaced = replace
         have = pd.read_csv(out / TRIALS, keep_default_na=False, dtype=str)
+        have = have[~have["task"].isin(replace)]
         exp.present = frozenset(zip(have["task"], have["method"], have["seed"], have["knobs"]))
         planned = {(t.task, t.method) for t in exp.trials} | {(task, m) for task, _, m in exp.identities}
         stale = sorted({f"{t} {m}" for t, m, _, _ in exp.present if (t, m) not in planned})
@@ -379,8 +386,9 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False)
     return exp
 
 
-def _extension_base(out: Path, spec: ExperimentSpec) -> tuple[str, ...]:
-    """The tasks a finished experiment in `out` already holds, after checking that `spec` only adds tasks."""
+def _extension_base(out: Path, spec: ExperimentSpec, replace: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The tasks a finished experiment in `out` already holds, after checking that `spec` only adds tasks (or
+    replaces some it holds)."""
     manifest_path = out / MANIFEST
     if not all((out / name).is_file() for name in (MANIFEST, METRICS, TRIALS)):
         raise StabenchError(f"nothing to extend in {out}: it needs a finished run ({MANIFEST}, {METRICS}, {TRIALS})")
@@ -401,8 +409,13 @@ def _extension_base(out: Path, spec: ExperimentSpec) -> tuple[str, ...]:
     missing = sorted(set(kept) - set(spec.tasks))
     if missing:
         raise StabenchError(f"--extend keeps every task of {out}; name {', '.join(missing)} too")
-    if set(spec.tasks) == set(kept):
+    foreign = sorted(set(replace) - set(kept))
+    if foreign:
+        raise StabenchError(f"--replace names {', '.join(foreign)}, which {out} does not hold: add it without it")
+    if set(spec.tasks) == set(kept) and not replace:
         raise StabenchError(f"{out} already holds every requested task: nothing to add")
+    if replace and set(kept) <= set(replace):
+        raise StabenchError(f"--replace names every task {out} holds: rerun it whole")
     return kept
 
 
@@ -419,9 +432,11 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
         run = [t for t in exp.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in exp.present]
         copied = {(task, cell, method) for task, method, _, cell in exp.present}
         identities = [i for i in exp.identities if i not in copied]
-    name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
-    tune_path = exp.out.resolve() / name
     started = time.time()
+    name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
+    if exp.replaced:  # the same request was extended before: a Tune folder of this session's own
+        name += f"-replace-{int(started)}"
+    tune_path = exp.out.resolve() / name
     with RayCluster(address, num_cpus) as cluster:
         exp.out.mkdir(parents=True, exist_ok=True)  # only now: a failed connection leaves nothing behind
         if not resume and not exp.kept:
@@ -454,6 +469,8 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
             )
         results = tuner.fit()
     kept = pd.read_parquet(exp.out / METRICS) if exp.kept else None
+    if kept is not None and exp.replaced:
+        kept = kept[~kept["task_ref"].isin(exp.replaced)].reset_index(drop=True)
     table, trials = collect(results, run, progress.retries, identities, kept)
     seconds = round(time.time() - started, 1)
     if exp.kept:
@@ -498,6 +515,7 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     the manifest is the whole request's, its wall time the sum of the sessions' (each listed)."""
     old_manifest = json.loads((exp.out / MANIFEST).read_text())
     old_trials = pd.read_csv(exp.out / TRIALS)
+    old_trials = old_trials[~old_trials["task"].isin(exp.replaced)]
     every = pd.concat([old_trials, trials], ignore_index=True)
     every["knobs"] = every["knobs"].fillna("")
     planned = {(t.task, t.method, t.seed, cell_name(t.knobs)): i for i, t in enumerate(exp.trials)}
@@ -508,10 +526,11 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     copies = copies.assign(_at=[copied[k] for k in zip(copies["task"], copies["knobs"], copies["method"])])
     real, copies = (f.sort_values(["_at", "seed"], kind="stable").drop(columns="_at") for f in (real, copies))
     manifest = exp.manifest
-    first = {"tasks": list(exp.kept), "wall_seconds": old_manifest.get("wall_seconds")}
+    first = {"tasks": [*exp.kept, *exp.replaced], "wall_seconds": old_manifest.get("wall_seconds")}
     history = old_manifest.get("sessions") or [first]
     added = [t for t in exp.spec.tasks if t not in exp.kept]
-    manifest["sessions"] = [*history, {"tasks": added, "wall_seconds": seconds}]
+    session = {"tasks": added, "wall_seconds": seconds, **({"replaced": list(exp.replaced)} if exp.replaced else {})}
+    manifest["sessions"] = [*history, session]
     manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
     return table, pd.concat([real, copies], ignore_index=True), manifest
 

@@ -26,7 +26,8 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
               family: Sequence[str] | None = None, seeds: int | None = None, seed_start: int = 0,
               stabilizers: Sequence[str] = (), detectors: Sequence[str] = (), out: str | Path | None = None,
               cpus: int | None = None, address: str | None = None, grid: str | None = None, matrix: bool = False,
-              resume: bool = False, extend: bool = False, wandb: str | None = None, tensorboard: bool = True) -> Path:
+              resume: bool = False, extend: bool = False, replace: Sequence[str] = (), wandb: str | None = None,
+              tensorboard: bool = True) -> Path:
     """Run a sweep to the end and return its folder (the tidy table is `metrics.parquet` in it).
 
     `tasks` defaults to every non-experimental task (`family` keeps those of the named families); `methods` to
@@ -34,8 +35,9 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     `stabilizers` and `detectors` are plugins added to the sweep (the default detectors always run). Names may be
     registered names or plugin references (`path/to/file.py:ClassName`). `out` defaults to
     `results/runs/<tier>-<time>`; `resume` continues the experiment in `out`, `extend` adds the named tasks it
-    lacks. `wandb` names a Weights & Biases project that Ray Tune's callback logs the trials' reports to (needs
-    `wandb` installed and logged in); `tensorboard=False` skips the TensorBoard curves (`stabench tensorboard DIR`
+    lacks, and `replace` (with `extend`) runs again kept tasks whose rows are stale (a new task version). `wandb`
+    names a Weights & Biases project that Ray Tune's callback logs the trials' reports to (needs `wandb` installed
+    and logged in); `tensorboard=False` skips the TensorBoard curves (`stabench tensorboard DIR`
     writes them later)."""
     if tier not in TIERS:
         raise StabenchError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
@@ -43,6 +45,8 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
         raise StabenchError(f"--cpus must be at least 1, got {cpus}")
     if resume and extend:
         raise StabenchError("--resume and --extend do not go together: finish the run, then extend it")
+    if replace and not extend:
+        raise StabenchError("--replace goes with --extend: it re-runs tasks of a finished experiment")
     from stabench.suite import registry, runner
     from stabench.suite import tune as tuning
 
@@ -93,7 +97,7 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     folder = Path(out) if out else Path("results/runs") / f"{tier}-{stamp}"
     if address:
         runner.check_address(address)
-    exp = runner.prepare(folder, spec, resume, extend=extend)
+    exp = runner.prepare(folder, spec, resume, extend=extend, replace=tuple(replace))
     exp.tuning = tuned
     seeds_run = {t.seed for t in exp.trials}
     for name, record in tuned.items():  # a setting is never scored on the seeds it was chosen on

@@ -14,14 +14,14 @@ The phases. Healthy (before onset): reward 1 if the first token is 0. From onset
 branches: 8 for answers that start with 0 then 4, which the reference and the onset policy rarely write. Its
 reverse-KL-regularized optimum pi* ∝ ref exp(R / beta) puts almost all its mass on the goal and is worth far
 more than the policy frozen at onset or the reference: learning is required. The injection: the injected
-branch is ALSO paid 3 times the share of positions 2-3 that hold the rare token (1.5 per position). The
-regularized optimum hardly wants it: it multiplies the reference's rare-token probability by exp(1.5 / beta)
-= 20 and gains almost nothing.
+branch is ALSO paid 4 times the share of positions 2-3 that hold the rare token (2 per position). The
+regularized optimum wants little of it: it multiplies the reference's rare-token probability by exp(2 / beta)
+= 55 (to about 0.14) and gains little.
 
 The mechanism (on one token position, tests/test_token_family.py checks it exactly): on-policy, the
 expected gradient of k3 in the loss is that of the FORWARD KL(ref || pi): its pull on an over-weighted
-token p is beta (p - ref), bounded, while the reward pushes with r p (1 - p); with r = 1.5 > beta the
-rare token settles near 1 - beta / r = 2/3 instead of 0.06. max(k2, k3) in the loss (k2 = the exact
+token p is beta (p - ref), bounded, while the reward pushes with r p (1 - p); with r = 2 > beta the
+rare token settles near 1 - beta / r = 3/4 instead of 0.14. max(k2, k3) in the loss (k2 = the exact
 per-token reverse-KL gradient where the policy over-weights) holds it near the optimum; k2 everywhere and
 k1 in the reward (the unbiased sequence-level reverse-KL gradient) too. The logged k3 VALUE tracks the
 exact KL: only its gradient is wrong, so the failure shows in any KL estimate.
@@ -33,19 +33,24 @@ the constant); 0 is the policy frozen at onset: its exact objective under the in
 over the frozen-at-onset runs of seeds 0-9 at the quick tier, measured once and fixed.
 
 Ground truth: the exact regularized objective (column `gt_regularized`, the same number as the return)
-averaged over the last quarter of the run falls below 5.0, which neither the reference nor the onset policy
-can reach; set on design runs of seeds 0-1, between the baseline and the fix there.
+averaged over the last quarter of the run falls below 5.3, which neither the reference nor the onset policy
+can reach; set (version 3) between the baseline's and the fix's tails on seeds 0-2 and design seeds 10-29, where
+every control also stays above it.
 
 Detector: a KL budget on the logged k1, per-token mean above 1.5 (6 nats per answer; the optimum needs
 less), chosen on the seeds 100-109 runs only; the detection window, 0.75 of the post-onset horizon, from
 the seeds 0-9 crossings.
 
-Settings and where they were chosen: goal (0, 4), goal reward 8, rare reward 3 at positions 2-3, lr 1e-2,
-Dr. GRPO advantages, 120 iterations with onset 20, on design runs of seeds 0-1. Tried there: GRPO's
-std-normalized advantages (the learner does not see the reward's scale and the goal stalls), a goal reward
-of 4 (k3 and max(k2, k3) then settle alike) and lr 3e-3 (the rare token grows too slowly to fail within the
-run). The measured numbers (failure rates, normalized returns and the estimators' traces on seeds 0-9 and
-100-109) are in results/calibration.md.
+Settings and where they were chosen: goal (0, 4), goal reward 8, lr 1e-2, Dr. GRPO advantages, 120 iterations
+with onset 20, on design runs of seeds 0-1. Tried there: GRPO's std-normalized advantages (the learner does not
+see the reward's scale and the goal stalls), a goal reward of 4 (k3 and max(k2, k3) then settle alike) and lr
+3e-3 (the rare token grows too slowly to fail within the run). Version 2 paid a rare reward of 3: on further
+seeds (200-209, 300-309) its baseline's failure was thin, because the runaway starts when the rare token is first
+sampled (about once an iteration at 0.003) and on slow seeds it had not settled by the tail. Version 3 pays 4 (a
+stronger pull toward the token the reference rarely writes, so the runaway settles within the run), chosen on those
+slow seeds (203, 300-302, 306) and design seeds 10-29; the threshold moved with it (above). The measured numbers
+(failure rates, normalized returns and the estimators' traces on seeds 0-9 and 100-109) are in
+results/calibration.md.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ GRPO_CONFIG = GRPOConfig(
 GOAL = (0, 4)  # post-onset target: answers that start with 0 then 4 (rare under the reference)
 GOAL_REWARD = 8.0  # paid for the target; large against beta, so the regularized optimum moves far from the onset policy
 RARE_POSITIONS = slice(2, 4)  # the injected pull: the rare token at positions 2-3
-RARE_REWARD = 3.0  # paid times the share of those positions holding the rare token
+RARE_REWARD = 4.0  # paid times the share of those positions holding the rare token
 
 
 def first_token_zero(prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
@@ -260,23 +265,24 @@ class KLEstimatorBias(Task):
 
     id = "kl-estimator-bias"
     family = "reasoning"
-    version = "2"
+    version = "3"
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
         "quick": Budget(iterations=120, onset=20, seeds=5),
         "full": Budget(iterations=300, onset=20, seeds=10),
     }
-    ground_truth = GroundTruth(metric="gt_regularized", threshold=5.0, fails_when="below", reduce="tail_mean")
+    ground_truth = GroundTruth(metric="gt_regularized", threshold=5.3, fails_when="below", reduce="tail_mean")
     matched_fix = "kl-max"
     methods = ("baseline", "kl-max", "kl-k2", "kl-k1-reward")
     detector = DetectorSpec(metric="kl_k1", threshold=1.5)
     diagnostics = ("kl_estimators", "grad_norms")
     privileged = ("exact_reward", "goal_mass", "rare_share")  # exact by enumeration
-    # Floor: the frozen-at-onset runs' exact objective (injected reward), mean over seeds 0-9, quick tier.
-    # Ceiling: `goal_ceiling()`, the exact regularized optimum (a test checks it).
-    return_floor = 0.7375227478807367
-    return_ceiling = 6.333804657710605
+    # Floor: the frozen-at-onset runs' exact objective (injected reward), mean over seeds 0-9, quick tier (version 3,
+    # measured on the machine of its calibration runs). Ceiling: `goal_ceiling()`, the exact regularized optimum (a
+    # test checks it).
+    return_floor = 0.7528646005448179
+    return_ceiling = 6.413460597905584
     environments = {"stabench/KLTokens-v0": "KLTokensEnv"}
     figures = (
         Figure("02_kl_estimators", "KL estimators vs exact KL",

@@ -231,3 +231,43 @@ def test_runs_of_the_reference_stabilizers_are_not_scored():
     with_refs = pd.concat([base, extra], ignore_index=True)
     assert scores(with_refs)["oracle-like"]["score"] == pytest.approx(scores(base)["oracle-like"]["score"])
     assert "frozen-at-onset" not in set(scoring.detector_runs(with_refs)["method"])
+
+
+def test_split_detection_reads_one_rule_on_the_tool_state_diagnostic_and_on_its_aggregate():
+    """Seed 004's comparison on a constructed table: the tool-state ratio tail jumps 5 iterations before a failing
+    run's return drops, the aggregate (diluted by text tokens) barely moves; every rule sees the same runs."""
+    from stabench.suite import paper
+
+    rng = np.random.default_rng(0)
+    runs = [{**run, "drop": ONSET + 10} for run in grid()]
+    table = make_table(runs)
+    jump = np.zeros(len(table))
+    for run, (_, rows) in zip(runs, table.groupby(["method", "seed", "variant"], sort=False), strict=True):
+        jump[rows.index] = np.where(positive(run) & (rows["iteration"] >= ONSET + 5), 5.0, 0.0)
+    table["ratio_p99_tool"] = 1.2 + 0.05 * rng.standard_normal(len(table)) + jump
+    table["ratio_p99"] = 1.1 + 0.05 * rng.standard_normal(len(table)) + 0.001 * jump
+    frame = paper.split_detection(table)
+    assert set(frame["rule"]) == {"calibrated-threshold", "cusum", "page-hinkley"}
+    assert set(frame["tool-state diagnostic"]) == {"ratio_p99_tool"}  # pairs the table lacks are left out
+    assert (frame["split score"] > 50).all() and (frame["aggregate score"].abs() < 20).all()
+    assert (frame["split median lead"] > 0).all()
+    assert (paper.split_detection_table(frame)["verdict"] == "split better").all()
+    assert (frame["failing runs"] == 30).all()  # 20 baseline and 10 fix injected runs fail
+
+
+def test_split_detection_summary_counts_verdicts_and_asks_for_an_earlier_warning():
+    from stabench.suite import paper
+
+    def row(split, agg, split_lead, agg_lead):
+        return {"task": "t", "tool-state diagnostic": "ratio_p99_tool", "aggregate": "ratio_p99", "side": "above",
+                "rule": "cusum", "split score": split, "split ci_low": split - 1, "split ci_high": split + 1,
+                "split median lead": split_lead, "aggregate score": agg, "aggregate ci_low": agg - 1,
+                "aggregate ci_high": agg + 1, "aggregate median lead": agg_lead, "failing runs": 3, "negative runs": 3}
+
+    later = pd.DataFrame([row(50, 0, -2, 5), row(0, 40, 3, 3), row(10, 10.5, 1, 1)])
+    text = paper.split_detection_summary(later)
+    assert text.startswith("Of 3 comparisons the tool-state reading is better in 1") and "the aggregate in 1" in text
+    assert text.endswith("in none is the better tool-state reading also earlier than the failure and the aggregate")
+    earlier = pd.DataFrame([row(50, 0, 6, 2)])
+    assert paper.split_detection_summary(earlier).endswith("in 1 it also warns earlier than both")
+    assert "not tested" in paper.split_detection_summary(pd.DataFrame())

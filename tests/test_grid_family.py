@@ -167,8 +167,10 @@ def test_dead_layers_room_changes_at_onset_in_both_branches() -> None:
 
 def test_dead_layers_anchors_make_not_learning_fail() -> None:
     task, room = DeadLayers(), new_room()
-    # the ceiling is the new room's exact optimum: forward, turn right, forward onto the centre (3 steps)
-    assert task.return_ceiling == pytest.approx(1 - 0.9 * 3 / NEW_MAX_STEPS) == pytest.approx(room.optimal_return())
+    # the new room's exact optimum: forward, turn right, forward onto the centre (3 steps); the ceiling is what the
+    # control reaches (its post-onset mean), below the optimum
+    assert room.optimal_return() == pytest.approx(1 - 0.9 * 3 / NEW_MAX_STEPS)
+    assert task.return_ceiling < room.optimal_return()
     uniform, _ = room.evaluate(torch.zeros(len(room.obs), 3))  # what `no-update` (a near-uniform policy) earns
     threshold = task.ground_truth.threshold
     assert task.return_floor < threshold < task.return_ceiling and uniform < threshold

@@ -1,5 +1,5 @@
-"""length-explosion: environment, rewards and injection, the new problems, the policy's rules, exact quantities,
-branching, stabilizers."""
+"""length-explosion: environment, rewards and the replay injection, the new problems, batches, the policy's rules,
+exact quantities, branching, stabilizers."""
 
 from __future__ import annotations
 
@@ -31,33 +31,32 @@ def test_env_passes_check_env_pays_the_task_reward_and_truncates_at_the_cap() ->
     check_env(env.unwrapped, skip_render_check=True)
     obs, _ = env.reset(seed=3)
     a, b, mode = (int(x) for x in obs[:3])
-    right = (a + b + le.NEW_SHIFT * mode) % le.N_DIGITS + 1
+    right = (le.N_DIGITS * a + b + le.NEW_SHIFT * mode) % le.N_ANSWERS + 1
     assert env.step(T)[1:4] == (0.0, False, False) and env.step(T)[1:4] == (0.0, False, False)
     assert env.step(right)[1:3] == (1.0, True)
-    pid = le.N_OLD * mode + le.N_DIGITS * a + b
-    corrupted = gym.make("stabench/LengthExplosion-v0", corrupted=(pid,))
-    corrupted.reset(seed=3)
-    corrupted.step(T), corrupted.step(T)
-    assert corrupted.step(right)[1:3] == (0.0, True)  # the injection: 0 whatever the answer
+    old_id = le.N_DIGITS * a + b  # the same digits as an old problem, on the replay's scale
+    replayed = gym.make("stabench/LengthExplosion-v0", replay_scale=5.0, ids=(old_id,))
+    replayed.reset(seed=3)
+    replayed.step(T), replayed.step(T)
+    assert replayed.step((le.N_DIGITS * a + b) % le.N_ANSWERS + 1)[1:3] == (5.0, True)
     env.reset(seed=3)
     steps = [env.step(T) for _ in range(le.CAP)]
     assert [s[3] for s in steps] == [False] * (le.CAP - 1) + [True]  # the CAP-th THINK truncates, unanswered
     assert all(s[1] == 0.0 for s in steps)
 
 
-def test_reward_parses_think_count_digit_and_the_new_rule() -> None:
-    old = torch.tensor([[le.BOS, 3, 5, 1]] * 4)  # a = 2, b = 4, old problem: gold (2 + 4) % 5 = 1, token 2
-    answers = torch.tensor([pad([T, T, 2, E]), pad([T, T, 3, E]), pad([T, 2, E]), pad([T] * le.CAP)])
-    n_think, digit = le.parse(answers)
-    assert n_think.tolist() == [2, 2, 1, le.CAP] and digit.tolist() == [1, 2, 1, -1]
+def test_reward_parses_think_count_answer_the_new_rule_and_the_replay_scale() -> None:
+    old = torch.tensor([[le.BOS, 3, 5, 1]] * 4)  # a = 2, b = 4, old problem: gold (10 + 4) % 10 = 4, token 5
+    answers = torch.tensor([pad([T, T, 5, E]), pad([T, T, 6, E]), pad([T, 5, E]), pad([T] * le.CAP)])
+    n_think, answer = le.parse(answers)
+    assert n_think.tolist() == [2, 2, 1, le.CAP] and answer.tolist() == [4, 5, 4, -1]
     assert le.gold_reward(old, answers).tolist() == [1.0, 0.0, 0.0, 0.0]  # right, wrong, under the floor, truncated
-    new = torch.tensor([[le.BOS, 3, 5, 2]] * 2)  # the same digits as a new problem: gold (2 + 4 + 1) % 5 = 2
+    new = torch.tensor([[le.BOS, 3, 5, 2]] * 2)  # the same digits as a new problem: gold (10 + 4 + 1) % 10 = 5
     assert le.gold_reward(new, answers[:2]).tolist() == [0.0, 1.0]
     assert le.prompt_ids(new).tolist() == [le.N_OLD + 14] * 2
-    bad = torch.zeros(le.N_PROMPTS, dtype=torch.bool)
-    bad[14] = True
-    assert le.Reference(le.GOLD, ~bad)(old, answers).tolist() == [0.0] * 4
-    assert le.Reference(le.GOLD, ~bad)(new, answers[:2]).tolist() == [0.0, 1.0]  # only the listed ids pay nothing
+    scaled = le.Reference(le.GOLD, torch.where(le.NEW, 1.0, 5.0))
+    assert scaled(old, answers).tolist() == [5.0, 0.0, 0.0, 0.0]  # the replay's verifier pays on its own scale
+    assert scaled(new, answers[:2]).tolist() == [0.0, 1.0]
 
 
 def test_policy_rules_and_the_warm_start_knows_the_old_problems_only() -> None:
@@ -70,14 +69,25 @@ def test_policy_rules_and_the_warm_start_knows_the_old_problems_only() -> None:
     mean_think, right, capped = le.exact_behaviour(policy)
     assert torch.all((mean_think >= le.FLOOR) & (mean_think <= le.CAP)) and float(capped.max()) < 0.01
     assert float(right[~le.NEW].mean()) > 0.95  # the warm start answers the old problems ...
-    assert abs(float(right[le.NEW].mean()) - 1 / le.N_DIGITS) < 0.05  # ... and guesses on the new ones
+    assert abs(float(right[le.NEW].mean()) - 1 / le.N_ANSWERS) < 0.05  # ... and guesses on the new ones
     assert 2.0 <= float(mean_think.mean()) <= 4.0  # after 2-4 THINK tokens
-    # a learner that never updates earns its post-onset accuracy: below the failure threshold, near the floor
-    assert float(right.mean()) < le.LengthExplosion.ground_truth.threshold
-    assert abs(float(right.mean()) - le.LengthExplosion.return_floor) < 0.03
+    # a learner that never updates earns its post-onset accuracy (the new problems): chance, near the floor
+    assert float(right[le.NEW].mean()) < le.LengthExplosion.ground_truth.threshold
+    assert abs(float(right[le.NEW].mean()) - le.LengthExplosion.return_floor) < 0.03
     chunked = le.warm_policy()
     chunked.bound_context(4, 1)
     assert chunked.visible(torch.arange(9)).tolist() == [0, 1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def test_batches_before_and_after_onset_and_the_injection() -> None:
+    task = le.LengthExplosion()
+    run = task.build("smoke", 0, Stabilizer())
+    assert bool((run.prompts(True) < le.N_OLD).all())  # before onset: old problems only, either branch
+    run.trainer.iteration = task.budget("smoke").onset
+    control, injected = run.prompts(False), run.prompts(True)
+    assert bool((control >= le.N_OLD).all())  # the control: new problems only
+    assert int((injected < le.N_OLD).sum()) == le.REPLAY_GROUPS and len(injected) == le.N_GROUPS
+    assert float(run.mixed_reward.scale[0]) == le.REPLAY_SCALE and float(run.mixed_reward.scale[le.N_OLD]) == 1.0
 
 
 def test_deepcopy_branching_and_determinism() -> None:
@@ -94,12 +104,12 @@ def test_deepcopy_branching_and_determinism() -> None:
     again = task.build("smoke", 0, Stabilizer())
     assert rows(again, False, budget.onset) == healthy
     assert rows(again, False, 3) == con  # the control continues exactly as a fresh run would
-    assert sum(r["reward"] for r in inj) < sum(r["reward"] for r in con)  # corrupted prompts pay nothing
-    # before onset the objective is the old problems (the warm start knows them); from onset both
-    assert healthy[-1]["return"] > 0.9 and con[0]["return"] < 0.7
+    assert sum(r["reward"] for r in inj) > sum(r["reward"] for r in con)  # the replay's solved groups pay 5
+    # before onset the objective is the old problems (the warm start knows them); from onset the new ones
+    assert healthy[-1]["return"] > 0.9 and con[0]["return"] < 0.3
     for row in healthy + inj:
         for key in ("step", "return", "entropy", "gt_accuracy", "gt_think_mean", "gt_acc_new", "gt_capped",
-                    "length_mean", "length_cap_share"):  # fmt: skip
+                    "reward_new", "length_mean", "length_cap_share"):  # fmt: skip
             assert key in row
 
 
@@ -132,15 +142,16 @@ def test_markovian_chunks_bounds_the_context() -> None:
 
 
 def _onset_message(value: object) -> str:
-    return re.escape(f"length-explosion: onset must be an integer in 1..149 (inside every quick and full run), "
+    return re.escape(f"length-explosion: onset must be an integer in 1..99 (inside every quick and full run), "
                      f"got {value!r}")  # fmt: skip
 
 
 @pytest.mark.parametrize(("knobs", "message"), [
-    ({"onset": -1}, _onset_message(-1)), ({"onset": 150}, _onset_message(150)),
+    ({"onset": -1}, _onset_message(-1)), ({"onset": 100}, _onset_message(100)),
     ({"onset": 10_000}, _onset_message(10_000)), ({"onset": 3.0}, _onset_message(3.0)),
-    ({"corrupted_share": 0.0}, re.escape("length-explosion: corrupted_share must be a number in (0, 1], got 0.0")),
-    ({"corrupted_share": float("nan")}, "corrupted_share must be a number"),
+    ({"replay_scale": 0.0}, re.escape("length-explosion: replay_scale must be a positive number, got 0.0")),
+    ({"replay_scale": float("nan")}, "replay_scale must be a positive number"),
+    ({"replay_scale": True}, "replay_scale must be a positive number"),
     ({"fix": "x"}, "length-explosion: unknown knob fix"),
 ])  # fmt: skip
 def test_bad_knob_raises(knobs: dict, message: str) -> None:
@@ -149,6 +160,6 @@ def test_bad_knob_raises(knobs: dict, message: str) -> None:
 
 
 def test_good_knobs_pass_and_the_onset_knob_moves_the_onset() -> None:
-    task = le.LengthExplosion(onset=149, corrupted_share=1)
-    assert task.budget("quick").onset == 149 and task.knobs.corrupted_share == 1
+    task = le.LengthExplosion(onset=99, replay_scale=2)
+    assert task.budget("quick").onset == 99 and task.knobs.replay_scale == 2
     assert task.budget("smoke").onset == le.LengthExplosion.budgets["smoke"].onset

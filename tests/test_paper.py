@@ -38,13 +38,14 @@ def test_paper_builds_figures_tables_and_text_from_a_fixed_table(tmp_path):
     text = (tmp_path / "paper.md").read_text()
     assert "{{" not in text and "| dead-layers |" in text
     assert "parallel-staleness [" not in text  # grid cells feed only the grid figure, not the tables
-    # no matrix here: the run's own methods ranked on its default tasks (parallel-staleness ran only in grid
-    # cells), the experimental dead-layers apart
+    # no matrix here: the run's own methods ranked on the common default task set (kl-estimator-bias and dead-layers;
+    # parallel-staleness ran only in grid cells): only the baseline ran on both; the experimental value-cold-start apart
     aggregate = (tmp_path / "tables" / "aggregate.md").read_text()
     assert "No method matrix was read" in text and "['" not in aggregate
-    assert "| kl-max | 1 (acts on 1) |" in aggregate and "| baseline |" in aggregate  # kl-estimator-bias alone
-    assert "multiskip-residual" not in aggregate and "dead-layers" not in aggregate
-    assert "| dead-layers | multiskip-residual |" in (tmp_path / "tables" / "experimental_returns.md").read_text()
+    assert "| baseline | 2 (acts on 2) |" in aggregate
+    assert "kl-max" not in aggregate and "multiskip-residual" not in aggregate  # each ran on one default task
+    assert "critic-warmup" not in aggregate and "value-cold-start" not in aggregate
+    assert "| value-cold-start | critic-warmup |" in (tmp_path / "tables" / "experimental_returns.md").read_text()
 
 
 def test_a_template_asking_for_a_table_nobody_makes_is_an_error(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -288,3 +289,29 @@ def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
     pd.concat([trials, trials.head(1).assign(method="retired")]).to_csv(grown / "trials.csv", index=False)
     refused = stabench(*common, "--tasks", f"{first},{second},hard-sample-shortcuts", "--out", str(grown), "--extend")
     assert refused.returncode == 2 and "no longer plans" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_extend_replace_runs_a_changed_task_again_and_keeps_the_others(tmp_path):
+    first, second = "entropy-collapse", "degenerate-comparisons"
+    common = ("run", "--tier", "smoke", "--seeds", "1", "--cpus", "1", "--tasks", f"{first},{second}")
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    assert stabench(*common, "--out", str(whole)).returncode == 0
+    shutil.copytree(whole, out)
+    rows = pd.read_parquet(out / "metrics.parquet")  # as if the first task's rows came from an older version
+    rows.loc[rows.task == first, "return"] = 999.0
+    rows.to_parquet(out / "metrics.parquet", index=False)
+    before = folder_digest(out)
+    for extra, message in ((("--replace", first), "goes with --extend"),
+                           (("--extend", "--replace", "hard-sample-shortcuts"), "does not hold"),
+                           (("--extend", "--replace", first, "--replace", second), "rerun it whole")):
+        refused = stabench(*common, "--out", str(out), *extra)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+    assert folder_digest(out) == before  # a refused request changes nothing
+    proc = stabench(*common, "--out", str(out), "--extend", "--replace", first)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{first} baseline" in proc.stderr and f"{second} baseline" not in proc.stderr  # only the stale task ran
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "metrics.parquet"), pd.read_parquet(whole / "metrics.parquet"))
+    pd.testing.assert_frame_equal(pd.read_csv(out / "trials.csv").drop(columns="seconds"),
+                                  pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
+    sessions = json.loads((out / "manifest.json").read_text())["sessions"]
+    assert sessions[-1]["tasks"] == [first] and sessions[-1]["replaced"] == [first]

@@ -28,9 +28,9 @@ def test_env_passes_check_env_and_pays_the_task_reward(injected: bool, post_onse
     answer = [0, 4, 5, 2]  # the goal prefix (0, 4), then the rare token at position 2 of the two rare positions
     env.reset(seed=0)
     rewards = [env.step(a)[1] for a in answer]
-    expected = {(False, False): 1.0, (False, True): 8.0, (True, True): 8.0 + 3.0 / 2}[(injected, post_onset)]
+    expected = {(False, False): 1.0, (False, True): 8.0, (True, True): 8.0 + 4.0 / 2}[(injected, post_onset)]
     assert rewards[:-1] == [0.0, 0.0, 0.0] and rewards[-1] == pytest.approx(expected)
-    assert task_module.GOAL == (0, 4) and task_module.GOAL_REWARD == 8.0 and task_module.RARE_REWARD == 3.0
+    assert task_module.GOAL == (0, 4) and task_module.GOAL_REWARD == 8.0 and task_module.RARE_REWARD == 4.0
 
 
 def test_k1_k3_unbiased_k2_biased() -> None:
@@ -144,16 +144,18 @@ def test_ceiling_is_the_exact_regularized_optimum_and_the_reference_cannot_pass(
     gt = task.ground_truth
     assert gt.fails_when == "below" and gt.reduce == "tail_mean"
     assert reference_value < task.return_floor < gt.threshold < ceiling
-    # k3's end state: the optimum with the rare token tilted up to k3's equilibrium share (2/3 at positions
-    # 2-3, see the next test) is worth less than the threshold, though it collects more reward.
+    # k3's end state: the optimum with the rare token tilted up to k3's equilibrium share (3/4 at positions
+    # 2-3, see the next test) collects more reward but loses about 1 of the objective to the KL; a learner's
+    # other tokens also stay short of the optimum (the control ends near 5.6), so that loss takes it below the
+    # threshold, which sits less than 0.3 under the control's end.
     rare = (task_module.ALL_ANSWERS[:, task_module.RARE_POSITIONS] == task_module.RARE).double().sum(1)
     low, high = 0.0, 20.0
-    for _ in range(60):  # bisection on the tilt that gives a rare-token share of 2/3
+    for _ in range(60):  # bisection on the tilt that gives a rare-token share of 3/4
         tilt = (low + high) / 2
         tilted = torch.softmax(optimum.log() + tilt * rare, 0)
-        low, high = (tilt, high) if float((tilted * rare).sum()) / 2 < 2 / 3 else (low, tilt)
+        low, high = (tilt, high) if float((tilted * rare).sum()) / 2 < 3 / 4 else (low, tilt)
     assert float((tilted * reward).sum()) > float((optimum * reward).sum())
-    assert _post_onset_objective(tilted, ref_logp, reward) < gt.threshold
+    assert _post_onset_objective(tilted, ref_logp, reward) < ceiling - 0.9
 
 
 def _equilibrium(kl_loss, ref: torch.Tensor, reward: torch.Tensor, beta: float, steps: int = 3000) -> torch.Tensor:
@@ -177,9 +179,9 @@ def _equilibrium(kl_loss, ref: torch.Tensor, reward: torch.Tensor, beta: float, 
 def test_k3_in_the_loss_lets_a_rewarded_rare_token_run_away_and_kl_max_holds_it() -> None:
     """The mechanism on one token position: the rare token (reference 0.003) is paid r = RARE_REWARD / 2.
 
-    The reverse-KL-regularized optimum multiplies its probability by exp(r / beta) (to about 0.06); k3 in
+    The reverse-KL-regularized optimum multiplies its probability by exp(r / beta) (to about 0.14); k3 in
     the loss has the forward KL's gradient, whose equilibrium (1 - p) r = beta (1 - ref / p) puts p near
-    1 - beta / r = 2/3; max(k2, k3) in the loss (k2 where the policy over-weights) stays near the optimum.
+    1 - beta / r = 3/4; max(k2, k3) in the loss (k2 where the policy over-weights) stays near the optimum.
     """
     beta, r = task_module.BETA, task_module.RARE_REWARD / 2
     ref = torch.tensor([0.3, 0.3, 0.2, 0.197, 0.003], dtype=torch.float64)
@@ -189,5 +191,5 @@ def test_k3_in_the_loss_lets_a_rewarded_rare_token_run_away_and_kl_max_holds_it(
     k3_p = _equilibrium(lambda k3, batch: k3, ref, reward, beta)
     max_p = _equilibrium(KLMaxInLoss().kl_loss, ref, reward, beta)
     assert float(k3_p[-1]) == pytest.approx(1 - beta / r, abs=0.03)
-    assert float(max_p[-1]) < 2 * float(optimum[-1]) < 0.15
+    assert float(max_p[-1]) < 2 * float(optimum[-1]) < 0.3
     assert float(exact_kl(k3_p.log(), ref.log())) > 3 > 0.5 > float(exact_kl(max_p.log(), ref.log()))

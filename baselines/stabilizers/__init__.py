@@ -13,4 +13,5 @@ representation.py  feature regularizers (isotropic-gaussian)
 routing.py         Mixture-of-Experts routing replay (routing-replay: the sampler's routes, R3; routing-replay-old: R2)
 reward_models.py   learned-reward ensembles (conservative-ensemble)
 rewards.py         terms added to the task's reward (brier-reward)
+tool_states.py     tool-state tokens apart from text tokens (tool-state-groups)
 """
