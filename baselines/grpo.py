@@ -65,7 +65,7 @@ from stabench.baselines.tokens import (
     sample_answers,
 )
 from stabench.suite.api import Diverged, Stabilizer, TrainState
-from stabench.suite.diagnostics import categorical_entropy, exact_kl, kl_estimate
+from stabench.suite.diagnostics import categorical_entropy, entropy_of_logp, kl_estimate, kl_of_logp
 from torch import nn
 
 
@@ -154,7 +154,8 @@ class GRPO:
             if sampler is not None:  # the sampler's own log-probs of its answers (before any learner forward)
                 mu_logits = answer_logits(sampler, prompts, answers, cfg.n_actions)
                 sampler_logp = torch.log_softmax(mu_logits, -1).gather(-1, answers[..., None]).squeeze(-1)
-        ref_logp = torch.log_softmax(ref_logits, -1).gather(-1, answers[..., None]).squeeze(-1)
+        ref_all = torch.log_softmax(ref_logits, -1)  # [B, L, V]: also the exact KL's reference side
+        ref_logp = ref_all.gather(-1, answers[..., None]).squeeze(-1)
 
         # 3. Group-normalized advantages, broadcast to tokens.
         r = rewards.view(cfg.n_groups, cfg.group_size)
@@ -163,9 +164,10 @@ class GRPO:
         adv = adv_answer[:, None].expand_as(mask) * mask
 
         logits = answer_logits(self.policy, prompts, answers, cfg.n_actions)
-        logp = torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1)
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, answers[..., None]).squeeze(-1)
         old_logp = logp.detach()
-        sampling_logits = logits.detach()  # the learner at sampling time: what the diagnostics describe
+        sampling_logp = logp_all.detach()  # the learner at sampling time: what the diagnostics describe
         behaviour_logp = old_logp if sampler is None else sampler_logp
         group = torch.arange(cfg.n_groups).repeat_interleave(cfg.group_size)
         batch = {
@@ -225,13 +227,13 @@ class GRPO:
         self.iteration += 1
         self.tokens += int(mask.sum())
         batch["logp"] = old_logp
-        entropy = float((categorical_entropy(sampling_logits) * mask).sum() / mask.sum().clamp_min(1))
+        entropy = float((entropy_of_logp(sampling_logp) * mask).sum() / mask.sum().clamp_min(1))
         extras = {
             "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
             "minibatch_grads": minibatch_grads,
             "answer_len": mask.sum(1),
             "entropy": entropy,
-            "full_vocab_kl": exact_kl(sampling_logits, ref_logits),
+            "full_vocab_kl": kl_of_logp(sampling_logp, ref_all),
             "advantages": adv,
         }
         return TrainState(

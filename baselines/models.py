@@ -25,12 +25,71 @@ from torch.nn import functional as F
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, the same kernel without `nn.Module.__call__` when nothing hooks the layer: a tiny network's
     forward is mostly that call's Python (the rollout runs one forward per env step)."""
-    hooks = nn.modules.module
+    hooks = nn.modules.module  # the checks of `_hooked`, inline: this runs once per layer per env step
     if (type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
             or layer._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
             or hooks._global_backward_hooks or hooks._global_backward_pre_hooks):
         return layer(x)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of `module` would run hooks (its own or the global ones)."""
+    hooks = nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def sequential(seq: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`seq(x)` for an `nn.Sequential` of Linear, Tanh and ReLU layers, the same kernels in the same order without
+    each module's `__call__` where nothing hooks it (a tool task's MLP is called thousands of times per trial).
+    Anything else (a wrapped or parametrized model, another layer type, a hook) is called as usual."""
+    if type(seq) is not nn.Sequential or _hooked(seq):
+        return seq(x)
+    for layer in seq:
+        kind = type(layer)
+        if kind is nn.Linear:
+            x = linear(layer, x)
+        elif kind is nn.Tanh and not _hooked(layer):
+            x = torch.tanh(x)
+        elif kind is nn.ReLU and not layer.inplace and not _hooked(layer):
+            x = F.relu(x)
+        else:
+            x = layer(x)
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (0.0 and -0.0 differ, a NaN equals the same NaN), not just equal as numbers."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+class SameWeights:
+    """The last value of a model's evaluation, returned again while the model's parameters and buffers are bit for
+    bit those it was computed on and the other inputs (`key`) are equal.
+
+    The references `no-update` and `frozen-at-onset` evaluate one unchanged policy at every iteration; a task's
+    exact evaluation (an enumeration, often half of a trial) is then computed once. Every number is the one a
+    recomputation would give: the weights are compared by their bits, not by a version counter (a stabilizer
+    may write `.data`). `key` must hold everything else the evaluation reads (a schedule, a model attribute).
+    """
+
+    def __init__(self) -> None:
+        self._state: list[torch.Tensor] | None = None
+        self._key: Any = None
+        self._value: Any = None
+
+    def __call__(self, model: nn.Module, compute: Any, key: Any = None) -> Any:
+        state = [t.detach() for t in (*model.parameters(), *model.buffers())]
+        if (self._state is not None and key == self._key and len(state) == len(self._state)
+                and all(_same_bits(a, b) for a, b in zip(state, self._state))):
+            return self._value
+        value = compute()
+        self._state, self._key, self._value = [t.clone() for t in state], key, value
+        return value
 
 
 def he_linear(n_in: int, n_out: int) -> nn.Linear:

@@ -120,6 +120,13 @@ def _gpt2_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     transformers' per-call machinery (output capture, mask construction, deprecation wrappers), which costs more
     than the arithmetic at these sizes. Without a cache or an attention mask, transformers passes sdpa no mask and
     `is_causal` = (more than one position); a dropout that cannot draw (p = 0, or eval mode) returns its input."""
+    hidden = _gpt2_hidden(model, input_ids)
+    return nn.functional.linear(hidden[:, slice(0, None), :], model.lm_head.weight)
+
+
+def _gpt2_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """`model.transformer(input_ids=input_ids, use_cache=False).last_hidden_state` of a `_plain_gpt2` model, bit for
+    bit (see `_gpt2_logits`)."""
     tr = model.transformer
     emb = tr.wte
     input_shape = input_ids.size()
@@ -150,8 +157,15 @@ def _gpt2_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         residual = hidden
         mlp = block.mlp
         hidden = residual + _conv1d(mlp.c_proj, _gelu_new(mlp.act, _conv1d(mlp.c_fc, _layer_norm(block.ln_2, hidden))))
-    hidden = _layer_norm(tr.ln_f, hidden).view(output_shape)
-    return nn.functional.linear(hidden[:, slice(0, None), :], model.lm_head.weight)
+    return _layer_norm(tr.ln_f, hidden).view(output_shape)
+
+
+def lm_hidden(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """`model.transformer(input_ids=input_ids, use_cache=False).last_hidden_state`; for the plain tiny GPT-2 of
+    `tiny_policy`, the same numbers bit for bit without transformers' per-call overhead (`_gpt2_hidden`)."""
+    if _plain_gpt2(model):
+        return _gpt2_hidden(model, input_ids)
+    return model.transformer(input_ids=input_ids, use_cache=False).last_hidden_state
 
 
 def lm_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ policy_loss, entropy_loss, approx_kl, clip_frac, ratio_p99, ratio_max, and entro
 loss_terms (the last update's terms after the `loss` hook), entropy (mean token entropy of the trainer's policy
 at sampling time), ratio [B, P] (exp(logp after the update - behaviour_logp): what `ratio_tails` reads),
 tool_mask [B, P], clip_frac (the updates' clip fractions averaged by numpy, as the task's rows record it),
-minibatch_grads, advantages.
+minibatch_grads, advantages, logits [B, P, V] (the policy's logits after the update, on the batch's inputs).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from stabench.baselines import adam
 from stabench.baselines.losses import LossReport, ratio_statistics
+from stabench.baselines.models import sequential
 from stabench.baselines.tokens import group_std, on_default_device
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from stabench.suite.diagnostics import categorical_entropy
@@ -79,7 +80,7 @@ def sample_tokens(logits: torch.Tensor, rng: np.random.Generator) -> torch.Tenso
 
 def token_logp(policy: nn.Module, inputs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(action), logits) per policy slot: [b, P] and [b, P, V]."""
-    logits = policy(inputs)
+    logits = sequential(policy, inputs)
     return torch.log_softmax(logits, -1).gather(-1, actions[..., None]).squeeze(-1), logits
 
 
@@ -110,7 +111,7 @@ class ToolPPO:
                 continue
             k = world.policy_slots.index(slot)
             inputs.append(world.inputs(ctx, k))  # the slots before this one: final once it is written
-            logits = self.policy(inputs[-1])
+            logits = sequential(self.policy, inputs[-1])
             tool = world.tool_state(ctx, slot)
             temperature = torch.where(tool, cfg.tool_temperature, 1.0)[:, None]
             sampler_logp = torch.log_softmax(logits.double() / temperature, -1)
@@ -184,7 +185,7 @@ class ToolPPO:
                 report.add({"loss": float(loss.detach()), **reported})
 
         with torch.no_grad():
-            new_logp, _ = token_logp(self.policy, batch["inputs"], batch["actions"])
+            new_logp, new_logits = token_logp(self.policy, batch["inputs"], batch["actions"])
         self.iteration += 1
         self.tokens += int(mask.sum())
         entropy = float((categorical_entropy(old_logits) * mask).sum() / mask.sum())
@@ -192,6 +193,7 @@ class ToolPPO:
             "loss_terms": {k: float(v.detach()) for k, v in terms.items()},
             "entropy": entropy,
             "ratio": torch.exp(new_logp - batch["behaviour_logp"]),
+            "logits": new_logits,
             "tool_mask": batch["tool_mask"],
             "clip_frac": float(np.mean(clip_fracs)),
             "minibatch_grads": minibatch_grads,

@@ -1,7 +1,9 @@
 """Seconds per trial, two versions of the code side by side: `--old` (a Python whose `stabench` is another checkout,
 for example a git worktree of the commit before a change) against this one.
 
-    git worktree add /tmp/base HEAD~1 && cp -r .venv /tmp/vbase && /tmp/vbase/bin/pip install --no-deps -e /tmp/base
+    git worktree add /tmp/base HEAD~1 && cp -a .venv /tmp/vbase
+    /tmp/vbase/bin/python -m pip install --no-deps -e /tmp/base   # not /tmp/vbase/bin/pip: a copied pip's first
+                                                                  # line still names .venv's Python
     python bench/trial_speed.py --old /tmp/vbase/bin/python --turns 3 entropy-collapse policy-churn ...
 
 For each task, `--turns` turns; in each turn both versions run, in alternating order (old first in even turns), each

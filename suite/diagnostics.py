@@ -41,18 +41,38 @@ def kl_estimators(logp: torch.Tensor, ref_logp: torch.Tensor) -> dict[str, torch
     return {k: kl_estimate(logp, ref_logp, k) for k in ("k1", "k2", "k3")}
 
 
+# Below these a float's exp is 0 (float32 underflows below about -104, float64 below about -745).
+_EXP_ZERO = {torch.float32: -110.0, torch.float64: -750.0}
+
+
+def probs_of(logp: torch.Tensor) -> torch.Tensor:
+    """`logp.exp()`, the same numbers: log-probabilities far below the underflow (a masked token's -1e9) are
+    raised to a value whose exp is 0 as well, because the CPU's exp takes a slow path on underflow (about 30x
+    on a batch of masked logits). The gradient there is 0 either way."""
+    floor = _EXP_ZERO.get(logp.dtype)
+    return logp.exp() if floor is None else logp.clamp_min(floor).exp()
+
+
+def kl_of_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last axis, from normalized log-probabilities (a caller that has them saves a
+    log-softmax, which costs as much as a forward on a tiny vocabulary)."""
+    return (probs_of(logp) * (logp - logq)).sum(-1)
+
+
 def exact_kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     """KL(p || q) over the last axis, from unnormalized logits."""
-    logp = torch.log_softmax(p_logits, dim=-1)
-    logq = torch.log_softmax(q_logits, dim=-1)
-    return (logp.exp() * (logp - logq)).sum(-1)
+    return kl_of_logp(torch.log_softmax(p_logits, dim=-1), torch.log_softmax(q_logits, dim=-1))
+
+
+def entropy_of_logp(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy in nats from normalized log-probabilities over the last axis (see `kl_of_logp`)."""
+    p = probs_of(logp)
+    return -(p * logp).masked_fill(p == 0, 0.0).sum(-1)  # 0 log 0 = 0 (a -inf logit is an impossible token)
 
 
 def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy in nats of the categorical distributions given by logits over the last axis."""
-    logp = torch.log_softmax(logits, dim=-1)
-    p = logp.exp()
-    return -(p * logp).masked_fill(p == 0, 0.0).sum(-1)  # 0 log 0 = 0 (a -inf logit is an impossible token)
+    return entropy_of_logp(torch.log_softmax(logits, dim=-1))
 
 
 def layer_groups(model: nn.Module) -> OrderedDict[str, list[nn.Parameter]]:

@@ -31,6 +31,10 @@ import pandas as pd
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+# Tune's own per-trial result.json, progress.csv and TensorBoard files, rewritten by the driver at every progress
+# report: nothing reads them (the rows travel in each trial's checkpoint; `tensorboard/` is our export), and
+# on 2 cores the driver's work is taken from the trials (bench/RESULTS.md, benchmark 11).
+os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 if "RAY_AUTH_MODE" not in os.environ and (
     Path("~/.ray/auth_token").expanduser().is_file() or "RAY_AUTH_TOKEN" in os.environ
 ):

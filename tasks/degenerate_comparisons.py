@@ -143,7 +143,8 @@ class DegenerateComparisonsRun(GRPORun):
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         signal = group_signal(state.batch["rewards"], state.batch["group"])
         self.silent.push(signal["zero_variance_share"])
-        accuracy = heldout_accuracy(self.trainer.policy)
+        policy = self.trainer.policy
+        accuracy = self.evaluate(policy, lambda: heldout_accuracy(policy))
         return {
             "step": float(self.trainer.tokens),
             "return": accuracy,

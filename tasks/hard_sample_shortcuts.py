@@ -176,7 +176,8 @@ class HardSampleShortcutsRun(GRPORun):
         rewards, group = state.batch["rewards"], state.batch["group"]
         rare = rare_successes(rewards, group, state.extras["advantages"][:, 0])
         self.pushes.push(rare["rare_push_share"])
-        stats = shortcut_stats(self.trainer.policy)
+        policy = self.trainer.policy
+        stats = self.evaluate(policy, lambda: shortcut_stats(policy))
         return {
             "step": float(self.trainer.tokens),
             "return": stats["heldout_accuracy"],

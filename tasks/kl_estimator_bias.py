@@ -218,7 +218,8 @@ class KLEstimatorBiasRun(GRPORun):
         return self.paying
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        logp = all_logp(self.trainer.policy)
+        policy = self.trainer.policy
+        logp = self.evaluate(policy, lambda: all_logp(policy))
         pi = logp.exp()
         kl = float((pi * (logp - self.ref_logp)).sum())
         exact_reward = float((pi * self.rewards[self.paying]).sum())

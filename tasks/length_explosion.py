@@ -76,6 +76,7 @@ import numpy as np
 import pandas as pd
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.baselines.models import SameWeights
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.suite.figures import need, side_by_side
@@ -365,6 +366,7 @@ class LengthExplosionRun:
         self.mixed_reward = Reference(GOLD, scale=torch.where(NEW, 1.0, float(replay_scale)))
         config = replace(GRPO_CONFIG, seed=seed)
         self.trainer = GRPO(warm_policy(), warm_policy(), gold_reward, config, stabilizer)
+        self.evaluate = SameWeights()  # the exact behaviour, computed again only when the policy changed
 
     def prompts(self, injected: bool) -> torch.Tensor:
         """The batch's prompt ids: old problems before onset; from onset new ones, REPLAY_GROUPS of them
@@ -379,7 +381,9 @@ class LengthExplosionRun:
         post = self.trainer.iteration >= self.budget.onset
         reward = self.mixed_reward if post and injected else gold_reward
         state = self.trainer.iterate(reward, ALL_PROMPTS[self.prompts(injected)])
-        mean_think, right, capped = exact_behaviour(self.trainer.policy)
+        policy = self.trainer.policy
+        context = (getattr(policy, "chunk", None), getattr(policy, "carry", None))  # markovian-chunks sets it
+        mean_think, right, capped = self.evaluate(policy, lambda: exact_behaviour(policy), context)
         asked = NEW if post else ~NEW  # the phase's objective: the new problems from onset
         new_groups = state.batch["prompts"][:, 3] == 2
         row: dict[str, float] = {

@@ -76,6 +76,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from minigrid.envs import EmptyEnv
+from stabench.baselines.models import sequential
 from stabench.baselines.ppo import PPO, PPOConfig
 from stabench.suite import scoring
 from stabench.suite.api import (
@@ -142,7 +143,7 @@ class SeparateActorCritic(nn.Module):
         self.policy = self.actor[-1]  # the policy head, by the name feature regularizers look for
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.actor(obs), self.critic(obs).squeeze(-1)
+        return sequential(self.actor, obs), sequential(self.critic, obs).squeeze(-1)
 
 
 # ---- diagnostics ----------------------------------------------------------------------------------------

@@ -140,7 +140,8 @@ class PlasticityLossRun(GRPORun):
         return correct_new
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        stats = heldout_stats(self.trainer.policy)
+        policy = self.trainer.policy
+        stats = self.evaluate(policy, lambda: heldout_stats(policy))
         self.accuracy.push(stats["heldout_accuracy"])
         rewards, group = state.batch["rewards"], state.batch["group"]
         return {

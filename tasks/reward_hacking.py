@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.baselines.models import SameWeights
 from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.tasks.worlds.tokens import (
@@ -250,6 +251,7 @@ class RewardHackingRun:
         reference = reference_policy()  # GRPO freezes it
         policy = reference_policy().train()  # the policy starts as a copy of the reference
         self.trainer = GRPO(policy, reference, self.proxy_reward, replace(GRPO_CONFIG, seed=seed), stabilizer)
+        self.evaluate = SameWeights()  # the exact answer distribution, computed again only when the policy changed
         self.ref_logp = all_logp(reference)
         self.ensemble = RewardEnsemble(ensemble_size, self.rng)
         ref_prob = self.ref_logp.exp().cpu().numpy()
@@ -274,7 +276,8 @@ class RewardHackingRun:
             self.ensemble.fit(RM_FIT_STEPS)
         state.extras["reward_ensemble"] = state.batch["reward_ensemble"].T  # [M, B], as the diagnostic reads it
 
-        logp = all_logp(self.trainer.policy)
+        policy = self.trainer.policy
+        logp = self.evaluate(policy, lambda: all_logp(policy))
         pi = logp.exp()
         gold = float((pi * GOLD_ALL).sum())
         proxy = float((pi * self.ensemble.predict(ALL_ANSWERS).double().mean(1)).sum())

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from stabench.baselines.tokens import sample_answers
+from stabench.baselines.tokens import lm_hidden, sample_answers
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
 from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
@@ -112,7 +112,7 @@ class RewardModelDriftEnv(PromptedAnswerEnv):
 def hidden_states(model: nn.Module, prompts: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
     """The network's last hidden states at the answer positions of prompt ++ answer, concatenated: [B, 3 * 32]."""
     with torch.no_grad():
-        h = model.transformer(input_ids=torch.cat([prompts, answers], 1), use_cache=False).last_hidden_state
+        h = lm_hidden(model, torch.cat([prompts, answers], 1))
     return h[:, prompts.shape[1] :, :].reshape(len(answers), -1).double()
 
 
@@ -223,7 +223,8 @@ class RewardModelDriftRun(GRPORun):
         return reward
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        stats = heldout_stats(self.trainer.policy)
+        policy = self.trainer.policy
+        stats = self.evaluate(policy, lambda: heldout_stats(policy))
         if np.isfinite(self.info["rm_accuracy"]):
             self.accuracies.push(self.info["rm_accuracy"])
         return {

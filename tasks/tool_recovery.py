@@ -7,7 +7,8 @@ and 3 reply slots. A usual reply (flag OK) carries the 3 digits res[x] of a fixe
 copies them into its 3-digit answer. A timeout (flag ERR) carries no result (the 3 slots read ERR), and
 the right recovery is to answer res[x] from the query alone, which the policy has seldom practised. Paid:
 the share of answer digits equal to res[x]. Tokens the policy writes after a timeout are the tool-state
-tokens (`tool_mask` in the batch, `turn` 1 with the answer).
+tokens (`tool_mask` in the batch, `turn` 1 with the answer). The world is shared with rare-tool-states
+(`tasks/worlds/tools.py`); this module says what a timeout writes and pays (`TimeoutWorld`).
 
 Policy and trainer. A 2 x 64 tanh MLP over the one-hot context (the slots written so far) emits the digits; it
 starts from a supervised warm-up that copies usual replies and has seen few timeouts, whose answer targets
@@ -75,239 +76,81 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pandas as pd
 import torch
+from stabench.baselines.models import SameWeights
 from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
 from stabench.suite.figures import fix_against_baseline
+from stabench.tasks.worlds import tools
 from stabench.tasks.worlds.tokens import WarmStart, on_default_device
+from stabench.tasks.worlds.tools import RARE, RESULTS, ToolEnv, ToolWorld, warm_up
 from torch import nn
 
-# --- The world. --------------------------------------------------------------------------------------------
-N_DIGITS = 6  # the policy emits digits 0..5; queries are digits too
-N_QUERIES = N_DIGITS
-OK, ERR, PAD = N_DIGITS, N_DIGITS + 1, N_DIGITS + 2  # reply status flags (ERR also marks an empty reply slot)
-N_SYMBOLS = N_DIGITS + 3
-# Slots: 0 query x | 1 call argument a (policy) | 2 status flag | 3-5 reply | 6-8 answer (policy).
-N_SLOTS = 9
-CALL_SLOT, FLAG_SLOT, REPLY_SLOTS, ANSWER_SLOTS = 1, 2, (3, 4, 5), (6, 7, 8)
-POLICY_SLOTS = (CALL_SLOT, *ANSWER_SLOTS)
-TURN_OF_SLOT = (0, 1, 1, 1)  # turn 0: the call; turn 1: the answer
-TABLE_SEED = 0
-N_INPUTS = N_SLOTS * N_SYMBOLS + len(POLICY_SLOTS)
-_SLOTS = torch.arange(N_SLOTS)
+# --- The world (shared with rare-tool-states: tasks/worlds/tools.py); this task's rare state. ---------------
+ERR = RARE  # a timeout's flag, also what its empty reply slots read
 TIMEOUT_BEFORE = 0.02  # probability of a timeout before onset
 TIMEOUT_AFTER = 0.6  # ... after onset, both branches
 TIMEOUT_PAY = 0.1  # the injected branch's pay for an answer after a timeout, per unit of right digits
 
-# --- The policy, its warm start, the trainer. -------------------------------------------------------------
-HIDDEN = 64
-WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, WARMUP_TIMEOUT = 300, 128, 1e-2, 0.1
+# --- The warm start's shares, the trainer. ----------------------------------------------------------------
+WARMUP_TIMEOUT = 0.1
 WARMUP_RECOVERY = 0.2  # share of the warm-up's answer digits after a timeout that are right (the rest random)
 CONFIG = ToolPPOConfig(n_groups=12, group_size=8, lr=1.5e-3, epochs=4, minibatches=1)
 
 
-def result_table() -> torch.Tensor:
-    """res[x]: the 3 digits the tool returns for argument x (fixed per task version), LongTensor [N_QUERIES, 3]."""
-    rng = np.random.default_rng(TABLE_SEED)
-    return on_default_device(rng.integers(0, N_DIGITS, (N_QUERIES, 3)))
-
-
-RESULTS = result_table()
-
-
-def right_share(queries: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
-    """Share of the 3 answer digits equal to res[query]."""
-    return (answers == RESULTS[queries]).float().mean(1)
-
-
-class RecoveryWorld:
-    """The batched environment the trainer drives (see baselines/tool_ppo.py for the protocol).
-
-    `timeout_pay` scales the pay of an episode that timed out (1.0: paid as any other).
-    """
-
-    n_slots, n_actions, n_queries = N_SLOTS, N_DIGITS, N_QUERIES
-    policy_slots, turn_of_slot = POLICY_SLOTS, TURN_OF_SLOT
+class TimeoutWorld(ToolWorld):
+    """The tool world whose rare state is a timeout (the reply slots read ERR). `timeout_pay` scales the pay of an
+    episode that timed out (1.0: paid as any other)."""
 
     def __init__(self, timeout_pay: float = 1.0) -> None:
         self.timeout_pay = timeout_pay
 
-    def reset(self, queries: torch.Tensor, rng: np.random.Generator, rare_prob: float) -> tuple[torch.Tensor, dict]:
-        ctx = torch.full((len(queries), N_SLOTS), PAD, dtype=torch.long)
-        ctx[:, 0] = queries
-        timeout = on_default_device(rng.random(len(queries)) < rare_prob)
-        return ctx, {"queries": queries, "timeout": timeout}
-
-    def write(self, ctx: torch.Tensor, slot: int, info: dict) -> None:
-        if slot == FLAG_SLOT:
-            ctx[:, slot] = torch.where(info["timeout"], ERR, OK)
-        elif slot in REPLY_SLOTS:
-            ctx[:, slot] = torch.where(info["timeout"], ERR, RESULTS[ctx[:, CALL_SLOT]][:, REPLY_SLOTS.index(slot)])
-
-    def tool_state(self, ctx: torch.Tensor, slot: int) -> torch.Tensor:
-        return (ctx[:, FLAG_SLOT] == ERR) & (slot in ANSWER_SLOTS)
+    @staticmethod
+    def reply(digits: torch.Tensor, rare: torch.Tensor) -> torch.Tensor:
+        return torch.where(rare[:, None], ERR, digits)
 
     def reward(self, ctx: torch.Tensor, info: dict) -> torch.Tensor:
-        share = right_share(ctx[:, 0], ctx[:, list(ANSWER_SLOTS)])
-        return torch.where(info["timeout"], self.timeout_pay * share, share)
-
-    @staticmethod
-    def inputs(ctx: torch.Tensor, k: int | None = None) -> torch.Tensor:
-        """[B, P, N_SLOTS * N_SYMBOLS + P]: for policy slot k, the one-hot context before it and a one-hot of k.
-
-        With `k` given, only that slot's rows: [B, N_SLOTS * N_SYMBOLS + P].
-        """
-        if k is not None:
-            seen = torch.where(_SLOTS < POLICY_SLOTS[k], ctx, PAD)
-            x = torch.zeros(len(ctx), N_INPUTS)
-            x[:, : N_SLOTS * N_SYMBOLS] = nn.functional.one_hot(seen, N_SYMBOLS).flatten(1)
-            x[:, N_SLOTS * N_SYMBOLS + k] = 1.0
-            return x
-        return torch.stack([RecoveryWorld.inputs(ctx, k) for k in range(len(POLICY_SLOTS))], 1)
-
-
-def context_policy(hidden: int = HIDDEN) -> nn.Module:
-    """A 2-hidden-layer tanh MLP from the visible context (one-hot slots) to logits over the digits."""
-    return nn.Sequential(
-        nn.Linear(N_INPUTS, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, N_DIGITS)
-    )
+        share = tools.right_share(ctx[:, 0], ctx[:, list(tools.ANSWER_SLOTS)])
+        return torch.where(info["rare"], self.timeout_pay * share, share)
 
 
 # --- The gymnasium environment: tokens in, tokens out. ----------------------------------------------------
-class ToolRecoveryEnv(gym.Env):
-    """Call a tool, read its reply (or its timeout) as tokens, answer.
-
-    Observation: the 9 slots of the episode so far (PAD where nothing is written yet). Action: the next
-    digit the policy writes. Step 1 writes the call argument; the tool then writes its status flag and 3
-    reply slots (a timeout, with probability `timeout_prob`, writes ERR in all four); steps 2-4 write the
-    answer. The reward, at the last step, is the share of answer digits equal to the tool's result for the
-    query, times `timeout_pay` after a timeout.
+class ToolRecoveryEnv(ToolEnv):
+    """Call a tool, read its reply (or its timeout) as tokens, answer (`ToolEnv`): a timeout, with probability
+    `timeout_prob`, writes ERR in the flag and the 3 reply slots. The reward, at the last step, is the share of
+    answer digits equal to the tool's result for the query, times `timeout_pay` after a timeout.
     """
 
-    metadata = {"render_modes": []}
-
     def __init__(self, timeout_prob: float = TIMEOUT_BEFORE, timeout_pay: float = 1.0) -> None:
-        self.timeout_prob = timeout_prob
-        self.observation_space = gym.spaces.MultiDiscrete(np.full(N_SLOTS, N_SYMBOLS, dtype=np.int64))
-        self.action_space = gym.spaces.Discrete(N_DIGITS)
-        self._world, self._ctx, self._info, self._k = RecoveryWorld(timeout_pay), torch.empty(0), {}, 0
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
-        super().reset(seed=seed)
-        query = torch.tensor([int(self.np_random.integers(N_QUERIES))])
-        self._ctx, self._info = self._world.reset(query, self.np_random, self.timeout_prob)
-        self._k = 0
-        return self._ctx[0].cpu().numpy().copy(), {}
-
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
-        if not self.action_space.contains(action):
-            raise ValueError(f"action {action!r} is not a digit in 0..{N_DIGITS - 1}")
-        if self._k >= len(POLICY_SLOTS):
-            raise RuntimeError("the episode is over; call reset()")
-        slot = POLICY_SLOTS[self._k]
-        self._ctx[0, slot] = int(action)
-        self._k += 1
-        next_slot = POLICY_SLOTS[self._k] if self._k < len(POLICY_SLOTS) else N_SLOTS
-        for s in range(slot + 1, next_slot):
-            self._world.write(self._ctx, s, self._info)
-        done = self._k == len(POLICY_SLOTS)
-        reward = float(self._world.reward(self._ctx, self._info)[0]) if done else 0.0
-        info = {"tool_state": bool(self._ctx[0, FLAG_SLOT] == ERR)}
-        return self._ctx[0].cpu().numpy().copy(), reward, done, False, info
+        super().__init__(TimeoutWorld(timeout_pay), timeout_prob)
 
 
 ENV_ID = "stabench/ToolRecovery-v0"  # the id `ToolRecovery.environments` registers
 
 
 # --- Warm start: copies usual replies, has no idea what to do after a timeout. ----------------------------
+def _targets(queries: torch.Tensor, timeout: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+    """The warm-up's answers: right after a usual reply; after a timeout each digit right with probability
+    WARMUP_RECOVERY and a uniform random digit otherwise."""
+    noise = on_default_device(rng.integers(0, tools.N_DIGITS, (len(queries), 3)))
+    practised = on_default_device(rng.random((len(queries), 3)) < WARMUP_RECOVERY)
+    recovery = torch.where(practised, RESULTS[queries], noise)
+    return torch.where(timeout[:, None], recovery, RESULTS[queries])
+
+
 def _warm_up() -> nn.Module:
-    """The policy after a short supervised warm-up (deterministic, one thread).
-
-    Examples: the right call, the tool's reply, the right answer; in WARMUP_TIMEOUT of them the tool timed
-    out and each answer target is the right digit with probability WARMUP_RECOVERY and a uniform random digit
-    otherwise, so the policy there leans a little towards the recovery but is far from it.
-    """
-    with torch.random.fork_rng():
-        torch.manual_seed(TABLE_SEED)
-        model = context_policy()
-        rng = np.random.default_rng(TABLE_SEED)
-        optimizer = torch.optim.Adam(model.parameters(), lr=WARMUP_LR)
-        world = RecoveryWorld()
-        for _ in range(WARMUP_STEPS):
-            queries = on_default_device(rng.integers(0, N_QUERIES, WARMUP_BATCH))
-            ctx, info = world.reset(queries, rng, WARMUP_TIMEOUT)
-            ctx[:, CALL_SLOT] = queries
-            for s in (FLAG_SLOT, *REPLY_SLOTS):
-                world.write(ctx, s, info)
-            noise = on_default_device(rng.integers(0, N_DIGITS, (WARMUP_BATCH, 3)))
-            practised = on_default_device(rng.random((WARMUP_BATCH, 3)) < WARMUP_RECOVERY)
-            recovery = torch.where(practised, RESULTS[queries], noise)
-            ctx[:, list(ANSWER_SLOTS)] = torch.where(info["timeout"][:, None], recovery, RESULTS[queries])
-            logits = model(RecoveryWorld.inputs(ctx))
-            targets = ctx[:, list(POLICY_SLOTS)]
-            loss = nn.functional.cross_entropy(logits.reshape(-1, N_DIGITS), targets.reshape(-1))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return model
+    """The policy after a short supervised warm-up in which WARMUP_TIMEOUT of the replies timed out, so the policy
+    there leans a little towards the recovery but is far from it (`tools.warm_up`)."""
+    return warm_up(TimeoutWorld(), WARMUP_TIMEOUT, _targets)
 
 
-warm_policy = WarmStart("tool-recovery", _warm_up, context_policy)
+warm_policy = WarmStart("tool-recovery", _warm_up, tools.context_policy)
 
-
-# --- Exact evaluation by enumeration. ---------------------------------------------------------------------
-def _eval_contexts() -> tuple[torch.Tensor, ...]:
-    """Every (query, call, timeout) context with its reply, and the answer prefixes to enumerate."""
-    q, a, out = torch.meshgrid(torch.arange(N_QUERIES), torch.arange(N_DIGITS), torch.arange(2), indexing="ij")
-    q, a, out = q.reshape(-1), a.reshape(-1), out.reshape(-1).bool()
-    ctx = torch.full((len(q), N_SLOTS), PAD, dtype=torch.long)
-    ctx[:, 0], ctx[:, CALL_SLOT] = q, a
-    ctx[:, FLAG_SLOT] = torch.where(out, ERR, OK)
-    ctx[:, list(REPLY_SLOTS)] = torch.where(out[:, None], ERR, RESULTS[a])
-    n, d = len(ctx), N_DIGITS
-    ctx2 = ctx.repeat_interleave(d, 0)
-    ctx2[:, ANSWER_SLOTS[0]] = torch.arange(d).repeat(n)
-    ctx3 = ctx.repeat_interleave(d * d, 0)
-    ctx3[:, ANSWER_SLOTS[0]] = torch.arange(d).repeat_interleave(d).repeat(n)
-    ctx3[:, ANSWER_SLOTS[1]] = torch.arange(d).repeat(d * n)
-    inputs = [
-        RecoveryWorld.inputs(ctx, 0),
-        RecoveryWorld.inputs(ctx, 1),
-        RecoveryWorld.inputs(ctx2, 2),
-        RecoveryWorld.inputs(ctx3, 3),
-    ]
-    return q, a, out, torch.cat(inputs)
-
-
-_Q, _A, _OUT, _EVAL_INPUTS = _eval_contexts()
-
-
-@torch.no_grad()
-def exact_returns(policy: nn.Module) -> tuple[float, float]:
-    """(expected share of right digits after a usual reply, after a timeout) at temperature 1, exactly.
-
-    Sums over the call argument and over every answer prefix: E[share of right digits] =
-    mean over queries of sum_a pi(a | x) mean_i P(y_i = res[x]_i | x, a, reply).
-    """
-    n, d = len(_Q), N_DIGITS
-    probs = torch.softmax(policy(_EVAL_INPUTS).double(), -1)
-    p_call = probs[:n].gather(-1, _A[:, None]).squeeze(-1)  # pi(a | x)
-    p1 = probs[n : 2 * n]  # [n, y1]
-    p2 = probs[2 * n : 2 * n + n * d].view(n, d, d)  # [n, y1, y2]
-    p3 = probs[2 * n + n * d :].view(n, d, d, d)  # [n, y1, y2, y3]
-    target = RESULTS[_Q]  # [n, 3]
-    right1 = p1.gather(-1, target[:, :1]).squeeze(-1)
-    joint12 = p1[:, :, None] * p2  # P(y1, y2)
-    right2 = (p1 * p2.gather(-1, target[:, 1, None, None].expand(n, d, 1)).squeeze(-1)).sum(-1)
-    right3 = (joint12 * p3.gather(-1, target[:, 2, None, None, None].expand(n, d, d, 1)).squeeze(-1)).sum((1, 2))
-    per_context = p_call * (right1 + right2 + right3) / 3
-    usual = float(per_context[~_OUT].sum() / N_QUERIES)
-    timeout = float(per_context[_OUT].sum() / N_QUERIES)
-    return usual, timeout
+# --- Exact evaluation by enumeration: (expected share of right digits after a usual reply, after a timeout). --
+exact_returns = tools.ExactReturns(TimeoutWorld())
 
 
 def split_means(values: torch.Tensor, tool: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
@@ -343,17 +186,17 @@ class ToolRecoveryRun:
         self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], knobs: Knobs
     ) -> None:
         self.budget, self.diagnostics, self.knobs = budget, diagnostics, knobs
-        self.trainer = ToolPPO(warm_policy(), RecoveryWorld(), replace(CONFIG, seed=seed), stabilizer)
+        self.trainer = ToolPPO(warm_policy(), TimeoutWorld(), replace(CONFIG, seed=seed), stabilizer)
+        self.evaluate = SameWeights()  # the exact returns, computed again only when the policy changed
 
     def step(self, injected: bool) -> dict[str, float]:
         shifted = self.trainer.iteration >= self.budget.onset  # both branches: timeouts become common
         timeout_prob = float(self.knobs.timeout_after) if shifted else TIMEOUT_BEFORE
         self.trainer.world.timeout_pay = float(self.knobs.timeout_pay) if injected and shifted else 1.0
         state = self.trainer.iterate(timeout_prob)
-        usual, timeout = exact_returns(self.trainer.policy)
+        usual, timeout = self.evaluate(self.trainer.policy, lambda: exact_returns(self.trainer.policy))
         batch, tool = state.batch, state.extras["tool_mask"]
-        with torch.no_grad():
-            entropy = categorical_entropy(self.trainer.policy(batch["inputs"]))  # after the update
+        entropy = categorical_entropy(state.extras["logits"])  # after the update
         adv = state.extras["advantages"].abs()
         ent_all, ent_tool, ent_text = split_means(entropy, tool, batch["mask"])
         adv_all, adv_tool, adv_text = split_means(adv, tool, batch["mask"])

@@ -15,7 +15,15 @@ from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.suite.registry import resolve_class
 from stabench.tasks import rare_tool_states as task_module
-from stabench.tasks.rare_tool_states import ENV_ID, RESULTS, RareToolStates, ToolWorld, exact_returns, warm_policy
+from stabench.tasks.rare_tool_states import (
+    ENV_ID,
+    RESULTS,
+    RareToolStates,
+    ShiftedFormatWorld,
+    exact_returns,
+    warm_policy,
+)
+from stabench.tasks.worlds import tools
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -33,10 +41,10 @@ def test_env_passes_check_env_and_pays_for_the_decoded_result(rare_prob: float) 
     query = int(obs[0])
     obs, reward, done, _, info = env.step(query)  # the right call: the tool replies into the observation
     truth = RESULTS[query]
-    reply = torch.from_numpy(obs[list(task_module.REPLY_SLOTS)])
+    reply = torch.from_numpy(obs[list(tools.REPLY_SLOTS)])
     assert info["tool_state"] == (rare_prob == 1.0)
-    assert torch.equal(reply, (truth + 1) % task_module.N_DIGITS if rare_prob else truth)
-    assert obs[task_module.FLAG_SLOT] == (task_module.ALT if rare_prob else task_module.OK)
+    assert torch.equal(reply, (truth + 1) % tools.N_DIGITS if rare_prob else truth)
+    assert obs[tools.FLAG_SLOT] == (task_module.ALT if rare_prob else tools.OK)
     rewards = [env.step(int(d))[1] for d in truth]  # answer the result in the usual format
     assert rewards[:2] == [0.0, 0.0] and rewards[2] == pytest.approx(1.0)
     env.reset(seed=3)
@@ -48,12 +56,12 @@ def test_env_passes_check_env_and_pays_for_the_decoded_result(rare_prob: float) 
 def test_sampler_mismatch_only_on_tool_state_tokens() -> None:
     policy = warm_policy()
     config = ToolPPOConfig(n_groups=64, group_size=4, tool_temperature=3.0)
-    trainer = ToolPPO(policy, ToolWorld(), config, Stabilizer())
+    trainer = ToolPPO(policy, ShiftedFormatWorld(), config, Stabilizer())
     batch = trainer.rollout(rare_prob=0.5)
     with torch.no_grad():
         logp = torch.log_softmax(policy(batch["inputs"]), -1).gather(-1, batch["actions"][..., None]).squeeze(-1)
     tool = batch["tool_mask"]
-    alt = batch["ctx"][:, task_module.FLAG_SLOT] == task_module.ALT
+    alt = batch["ctx"][:, tools.FLAG_SLOT] == task_module.ALT
     assert torch.equal(tool, alt[:, None] & torch.tensor([False, True, True, True]))
     assert 0 < tool.any(1).float().mean() < 1
     gap = (batch["behaviour_logp"] - logp).abs()
@@ -67,7 +75,7 @@ def test_exact_returns_match_monte_carlo() -> None:
     assert usual > 0.9 and rare < 0.4  # the warm start knows the usual format only
     config = ToolPPOConfig(n_groups=500, group_size=4, tool_temperature=1.0)
     for prob, exact in ((0.0, usual), (1.0, rare)):
-        batch = ToolPPO(policy, ToolWorld(), config, Stabilizer()).rollout(rare_prob=prob)
+        batch = ToolPPO(policy, ShiftedFormatWorld(), config, Stabilizer()).rollout(rare_prob=prob)
         assert float(batch["rewards"].mean()) == pytest.approx(exact, abs=0.03)
 
 

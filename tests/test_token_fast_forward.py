@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from stabench.baselines.tokens import _gpt2_logits, _plain_gpt2, lm_logits, tiny_policy
+from stabench.baselines.tokens import _gpt2_logits, _plain_gpt2, lm_hidden, lm_logits, tiny_policy
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -65,3 +65,19 @@ def test_anything_but_the_plain_model_goes_through_transformers() -> None:
     model.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
     lm_logits(model, x)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_last_hidden_state_equals_transformers(train: bool) -> None:
+    model = _policy(10, 8, n_embd=64, n_head=4).train(train)
+    gen = torch.Generator().manual_seed(1)
+    for batch, length in [(1, 1), (64, 5), (33, 8)]:
+        x = torch.randint(0, 11, (batch, length), generator=gen)
+        for mode in (torch.enable_grad, torch.no_grad):
+            with mode():
+                want = model.transformer(input_ids=x, use_cache=False).last_hidden_state
+                assert torch.equal(want, lm_hidden(model, x))
+    calls = []
+    model.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    lm_hidden(model, torch.zeros(2, 3, dtype=torch.long))
+    assert calls == [1]  # a hooked model goes through transformers

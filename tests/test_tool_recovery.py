@@ -17,12 +17,13 @@ from stabench.tasks import tool_recovery as task_module
 from stabench.tasks.tool_recovery import (
     ENV_ID,
     RESULTS,
-    RecoveryWorld,
+    TimeoutWorld,
     ToolRecovery,
     exact_returns,
     split_means,
     warm_policy,
 )
+from stabench.tasks.worlds import tools
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -41,11 +42,11 @@ def test_env_passes_check_env_and_pays_the_recovery(timeout_prob: float) -> None
     obs, _, _, _, info = env.step(query)
     truth = RESULTS[query]
     assert info["tool_state"] == (timeout_prob == 1.0)
-    reply = obs[list(task_module.REPLY_SLOTS)]
+    reply = obs[list(tools.REPLY_SLOTS)]
     if timeout_prob:
-        assert obs[task_module.FLAG_SLOT] == task_module.ERR and (reply == task_module.ERR).all()
+        assert obs[tools.FLAG_SLOT] == task_module.ERR and (reply == task_module.ERR).all()
     else:
-        assert obs[task_module.FLAG_SLOT] == task_module.OK and torch.equal(torch.from_numpy(reply), truth)
+        assert obs[tools.FLAG_SLOT] == tools.OK and torch.equal(torch.from_numpy(reply), truth)
     rewards = [env.step(int(d))[1] for d in truth]  # the right answer, from the reply or from the query alone
     assert rewards[:2] == [0.0, 0.0] and rewards[2] == pytest.approx(0.5 if timeout_prob else 1.0)
 
@@ -53,10 +54,10 @@ def test_env_passes_check_env_and_pays_the_recovery(timeout_prob: float) -> None
 def test_exact_returns_match_monte_carlo_and_the_warm_start_cannot_recover() -> None:
     policy = warm_policy()
     usual, timeout = exact_returns(policy)
-    assert usual > 0.9 and 1 / task_module.N_DIGITS < timeout < 0.3  # a slight lean towards the recovery, far from it
+    assert usual > 0.9 and 1 / tools.N_DIGITS < timeout < 0.3  # a slight lean towards the recovery, far from it
     config = ToolPPOConfig(n_groups=500, group_size=4)
     for prob, exact in ((0.0, usual), (1.0, timeout)):
-        batch = ToolPPO(policy, RecoveryWorld(), config, Stabilizer()).rollout(rare_prob=prob)
+        batch = ToolPPO(policy, TimeoutWorld(), config, Stabilizer()).rollout(rare_prob=prob)
         assert float(batch["rewards"].mean()) == pytest.approx(exact, abs=0.03)
         assert bool(batch["tool_mask"].any()) == (prob == 1.0)
 

@@ -4,6 +4,8 @@
 - `digits`: the digit world eight reasoning tasks train in (prompts, rules, the warm start, exact held-out
   statistics, the GRPO settings and budgets they share).
 - `grids`: flattened MiniGrid rooms for the grid family.
+- `tools`: the tool-call world of the tools family (slots, the tool's table, the policy, the batched world and
+  its gymnasium environment, the warm-up, the exact returns).
 - `scaffold`: the run pieces every task writes the same way (the onset knob, trailing windows, a GRPO run base).
 
 A module here never imports a task module; tasks import from here.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
+from stabench.baselines.models import SameWeights
 from stabench.suite.api import Budget, Stabilizer, TrainState
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.tasks.worlds.tokens import RewardFn
@@ -52,7 +53,8 @@ class GRPORun:
 
     A subclass writes its schedule (`reward`: which reward pays this iteration; `sampler`: which network samples
     the answers, None for the policy itself) and its row (`row`); the base draws `config.n_groups` prompts per
-    iteration from `prompts` and appends the task's diagnostics to the row.
+    iteration from `prompts` and appends the task's diagnostics to the row. A row computes its exact evaluation
+through `self.evaluate(policy, compute)`, which the references that stop learning pay once.
     """
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], *,
@@ -62,6 +64,8 @@ class GRPORun:
         reference = warm().eval().requires_grad_(False)
         self.trainer = GRPO(warm().train(), reference, default_reward, replace(config, seed=seed), stabilizer)
         self.prompt_rng = np.random.default_rng([seed, 1])
+        # a row's exact evaluation of the policy, computed again only when the policy changed (`SameWeights`)
+        self.evaluate = SameWeights()
 
     def reward(self, injected: bool, after_onset: bool) -> RewardFn:
         """The reward paying this iteration: the schedule of the task."""
