@@ -31,10 +31,6 @@ import pandas as pd
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-# Tune's own per-trial result.json, progress.csv and TensorBoard files, rewritten by the driver at every progress
-# report: nothing reads them (the rows travel in each trial's checkpoint; `tensorboard/` is our export), and
-# on 2 cores the driver's work is taken from the trials (bench/RESULTS.md, benchmark 11).
-os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
 if "RAY_AUTH_MODE" not in os.environ and (
     Path("~/.ray/auth_token").expanduser().is_file() or "RAY_AUTH_TOKEN" in os.environ
 ):
@@ -135,6 +131,25 @@ class ExperimentSpec:
         for det in self.detectors:
             registry.resolve_class("detector", det)
         return out, identity
+
+
+@contextlib.contextmanager
+def without_tune_logfiles() -> Iterator[None]:
+    """Tune's own per-trial result.json, progress.csv, params.json and TensorBoard files off for a sweep (unless the
+    caller set `TUNE_DISABLE_AUTO_CALLBACK_LOGGERS` itself): the driver rewrote them at every progress report, nothing
+    reads them (the rows travel in each trial's checkpoint, `tensorboard/` is stabench's own export, `--resume`
+    restores from Tune's experiment state), and on 2 cores the driver's work is taken from the trials
+    (bench/RESULTS.md, benchmark 11). Scoped, because `stabench tune` keeps them: its trials' params.json are its
+    record of what each configuration ran."""
+    key = "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"
+    mine = key not in os.environ
+    if mine:
+        os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if mine:
+            os.environ.pop(key, None)
 
 
 def _tune_trainable(config: dict) -> None:
@@ -471,7 +486,8 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
                     callbacks=[progress, *callbacks],
                 ),
             )
-        results = tuner.fit()
+        with without_tune_logfiles():
+            results = tuner.fit()
     kept = pd.read_parquet(exp.out / METRICS) if exp.kept else None
     if kept is not None and exp.replaced:
         kept = kept[~kept["task_ref"].isin(exp.replaced)].reset_index(drop=True)

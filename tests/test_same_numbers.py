@@ -103,3 +103,20 @@ def test_entropy_gradient_is_unchanged_by_the_underflow_floor() -> None:
     p = logp.exp()
     (-(p * logp).masked_fill(p == 0, 0.0).sum(-1) * weights).sum().backward()
     assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(("method", "evaluations"), [("no-update", 1), ("baseline", 4)])
+def test_a_reference_run_evaluates_its_unchanged_policy_once(monkeypatch, method: str, evaluations: int) -> None:
+    """The exact evaluation of calibration-collapse's rows goes through the run's `SameWeights`: a policy that never
+    changes is evaluated once, one that learns at every iteration."""
+    from stabench.suite.registry import make_stabilizer
+    from stabench.tasks import calibration_collapse as cc
+
+    calls = []
+    joint = cc.heldout_joint
+    monkeypatch.setattr(cc, "heldout_joint", lambda model: calls.append(1) or joint(model))
+    run = cc.CalibrationCollapse().build("smoke", 0, make_stabilizer(method))
+    rows = [run.step(False) for _ in range(4)]
+    assert len(calls) == evaluations
+    if method == "no-update":
+        assert len({r["heldout_confidence"] for r in rows}) == 1  # the policy's own; the Brier score reads the world

@@ -75,6 +75,10 @@ def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):
     assert len(trials) == sum(len(methods_of(registry.get_task(t))) * 2 for t in TASKS)
     assert (trials.status == "ok").all(), trials[trials.status != "ok"]
     assert "trials on a private local Ray" in proc.stderr and f"{len(trials)}/{len(trials)}]" in proc.stderr
+    # Tune's own per-trial log files stay off in a sweep (`runner.without_tune_logfiles`); the checkpoints are there
+    tune_files = {p.name for p in (out / "tune").rglob("*") if p.is_file()}
+    assert "rows.parquet" in tune_files and not tune_files & {"result.json", "progress.csv", "params.json"}
+    assert not any(name.startswith("events.out.tfevents") for name in tune_files)
 
 
 def test_resume_of_a_finished_sweep_reruns_nothing_and_keeps_the_table(smoke_sweep):
