@@ -15,6 +15,7 @@ keeps the forward signal at a constant scale through depth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,13 +69,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class SameWeights:
-    """The last value of a model's evaluation, returned again while the model's parameters and buffers are bit for
-    bit those it was computed on and the other inputs (`key`) are equal.
+    """`memo(compute, model, *args)` is `compute(model, *args)`, or its last value while the model's parameters and
+    buffers are bit for bit those it was computed on and `args` (and `key`) are equal.
 
     The references `no-update` and `frozen-at-onset` evaluate one unchanged policy at every iteration; a task's
     exact evaluation (an enumeration, often half of a trial) is then computed once. Every number is the one a
     recomputation would give: the weights are compared by their bits, not by a version counter (a stabilizer
-    may write `.data`). `key` must hold everything else the evaluation reads (a schedule, a model attribute).
+    may write `.data`). `key` must hold whatever else the evaluation reads that is not an argument (a model
+    attribute).
     """
 
     def __init__(self) -> None:
@@ -82,13 +84,14 @@ class SameWeights:
         self._key: Any = None
         self._value: Any = None
 
-    def __call__(self, model: nn.Module, compute: Any, key: Any = None) -> Any:
+    def __call__(self, compute: Callable[..., Any], model: nn.Module, *args: Any, key: Any = None) -> Any:
         state = [t.detach() for t in (*model.parameters(), *model.buffers())]
-        if (self._state is not None and key == self._key and len(state) == len(self._state)
+        inputs = (args, key)
+        if (self._state is not None and inputs == self._key and len(state) == len(self._state)
                 and all(_same_bits(a, b) for a, b in zip(state, self._state))):
             return self._value
-        value = compute()
-        self._state, self._key, self._value = [t.clone() for t in state], key, value
+        value = compute(model, *args)
+        self._state, self._key, self._value = [t.clone() for t in state], inputs, value
         return value
 
 

@@ -236,8 +236,7 @@ class CalibrationCollapseRun(GRPORun):
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         gap = confidence_gap(state.batch["confidence"], state.batch["rewards"])
         self.gaps.push(gap["confidence_gap"])
-        policy = self.trainer.policy
-        stats = calibration_stats_of(self.evaluate(policy, lambda: heldout_joint(policy)), self.world)
+        stats = calibration_stats_of(self.evaluate(heldout_joint, self.trainer.policy), self.world)
         return {
             "step": float(self.trainer.tokens),
             "return": 1.0 - stats["heldout_brier"],

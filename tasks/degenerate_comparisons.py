@@ -143,8 +143,7 @@ class DegenerateComparisonsRun(GRPORun):
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         signal = group_signal(state.batch["rewards"], state.batch["group"])
         self.silent.push(signal["zero_variance_share"])
-        policy = self.trainer.policy
-        accuracy = self.evaluate(policy, lambda: heldout_accuracy(policy))
+        accuracy = self.evaluate(heldout_accuracy, self.trainer.policy)
         return {
             "step": float(self.trainer.tokens),
             "return": accuracy,

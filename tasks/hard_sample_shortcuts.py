@@ -176,8 +176,7 @@ class HardSampleShortcutsRun(GRPORun):
         rewards, group = state.batch["rewards"], state.batch["group"]
         rare = rare_successes(rewards, group, state.extras["advantages"][:, 0])
         self.pushes.push(rare["rare_push_share"])
-        policy = self.trainer.policy
-        stats = self.evaluate(policy, lambda: shortcut_stats(policy))
+        stats = self.evaluate(shortcut_stats, self.trainer.policy)
         return {
             "step": float(self.trainer.tokens),
             "return": stats["heldout_accuracy"],

@@ -310,8 +310,7 @@ class InferenceMismatchRun(GRPORun):
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         it = self.trainer.iteration  # iterations done, this one included
         evaluate = it % EVAL_EVERY == 0 or it >= self.budget.iterations
-        policy, knobs = self.trainer.policy, (self.temperature, self.safe)
-        stats = (self.evaluate(policy, lambda: heldout_stats(policy, *knobs), knobs) if evaluate
+        stats = (self.evaluate(heldout_stats, self.trainer.policy, self.temperature, self.safe) if evaluate
                  else dict.fromkeys(STAT_KEYS, math.nan))  # fmt: skip
         return {
             "step": float(self.trainer.tokens),

@@ -218,8 +218,7 @@ class KLEstimatorBiasRun(GRPORun):
         return self.paying
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        policy = self.trainer.policy
-        logp = self.evaluate(policy, lambda: all_logp(policy))
+        logp = self.evaluate(all_logp, self.trainer.policy)
         pi = logp.exp()
         kl = float((pi * (logp - self.ref_logp)).sum())
         exact_reward = float((pi * self.rewards[self.paying]).sum())

@@ -383,7 +383,7 @@ class LengthExplosionRun:
         state = self.trainer.iterate(reward, ALL_PROMPTS[self.prompts(injected)])
         policy = self.trainer.policy
         context = (getattr(policy, "chunk", None), getattr(policy, "carry", None))  # markovian-chunks sets it
-        mean_think, right, capped = self.evaluate(policy, lambda: exact_behaviour(policy), context)
+        mean_think, right, capped = self.evaluate(exact_behaviour, policy, key=context)
         asked = NEW if post else ~NEW  # the phase's objective: the new problems from onset
         new_groups = state.batch["prompts"][:, 3] == 2
         row: dict[str, float] = {

@@ -140,8 +140,7 @@ class PlasticityLossRun(GRPORun):
         return correct_new
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        policy = self.trainer.policy
-        stats = self.evaluate(policy, lambda: heldout_stats(policy))
+        stats = self.evaluate(heldout_stats, self.trainer.policy)
         self.accuracy.push(stats["heldout_accuracy"])
         rewards, group = state.batch["rewards"], state.batch["group"]
         return {

@@ -166,7 +166,7 @@ class RareToolStatesRun:
         if self.trainer.config.tool_temperature != temperature:
             self.trainer.config = replace(self.trainer.config, tool_temperature=temperature)
         state = self.trainer.iterate(rare_prob)
-        usual, rare = self.evaluate(self.trainer.policy, lambda: exact_returns(self.trainer.policy))
+        usual, rare = self.evaluate(exact_returns, self.trainer.policy)
         tool = state.extras["tool_mask"]
         row: dict[str, float] = {
             "step": float(self.trainer.tokens),

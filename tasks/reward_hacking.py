@@ -276,8 +276,7 @@ class RewardHackingRun:
             self.ensemble.fit(RM_FIT_STEPS)
         state.extras["reward_ensemble"] = state.batch["reward_ensemble"].T  # [M, B], as the diagnostic reads it
 
-        policy = self.trainer.policy
-        logp = self.evaluate(policy, lambda: all_logp(policy))
+        logp = self.evaluate(all_logp, self.trainer.policy)
         pi = logp.exp()
         gold = float((pi * GOLD_ALL).sum())
         proxy = float((pi * self.ensemble.predict(ALL_ANSWERS).double().mean(1)).sum())

@@ -223,8 +223,7 @@ class RewardModelDriftRun(GRPORun):
         return reward
 
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
-        policy = self.trainer.policy
-        stats = self.evaluate(policy, lambda: heldout_stats(policy))
+        stats = self.evaluate(heldout_stats, self.trainer.policy)
         if np.isfinite(self.info["rm_accuracy"]):
             self.accuracies.push(self.info["rm_accuracy"])
         return {

@@ -194,7 +194,7 @@ class ToolRecoveryRun:
         timeout_prob = float(self.knobs.timeout_after) if shifted else TIMEOUT_BEFORE
         self.trainer.world.timeout_pay = float(self.knobs.timeout_pay) if injected and shifted else 1.0
         state = self.trainer.iterate(timeout_prob)
-        usual, timeout = self.evaluate(self.trainer.policy, lambda: exact_returns(self.trainer.policy))
+        usual, timeout = self.evaluate(exact_returns, self.trainer.policy)
         batch, tool = state.batch, state.extras["tool_mask"]
         entropy = categorical_entropy(state.extras["logits"])  # after the update
         adv = state.extras["advantages"].abs()

@@ -54,24 +54,24 @@ def test_sequential_runs_hooks_and_other_layers_through_the_module_call() -> Non
 def test_same_weights_recomputes_exactly_when_a_weight_or_the_key_changes() -> None:
     model, memo, calls = _mlp(nn.Tanh), SameWeights(), []
 
-    def evaluate() -> float:
+    def evaluate(net: nn.Module) -> float:
         calls.append(1)
-        return float(model(torch.ones(1, 9)).sum().detach())
+        return float(net(torch.ones(1, 9)).sum().detach())
 
-    first = memo(model, evaluate)
-    assert memo(model, evaluate) == first and len(calls) == 1  # unchanged weights: the stored value
-    assert memo(model, evaluate, key=2.0) == first and len(calls) == 2  # another key: computed again
+    first = memo(evaluate, model)
+    assert memo(evaluate, model) == first and len(calls) == 1  # unchanged weights: the stored value
+    assert memo(evaluate, model, key=2.0) == first and len(calls) == 2  # another key: computed again
     with torch.no_grad():
         model[0].weight.data[0, 0] += 1.0  # through .data: no version counter moves
-    assert memo(model, evaluate, key=2.0) != first and len(calls) == 3
+    assert memo(evaluate, model, key=2.0) != first and len(calls) == 3
     with torch.no_grad():
         model[0].bias.data[0] = 0.0
-        memo(model, evaluate, key=2.0)
+        memo(evaluate, model, key=2.0)
         model[0].bias.data[0] = -0.0  # equal as numbers, not as bits: computed again
-    memo(model, evaluate, key=2.0)
+    memo(evaluate, model, key=2.0)
     assert len(calls) == 5
     branch = copy.deepcopy((model, memo))  # a branch copied at onset keeps the memo for its own copy
-    branch[1](branch[0], evaluate, key=2.0)
+    branch[1](evaluate, branch[0], key=2.0)
     assert len(calls) == 5
 
 

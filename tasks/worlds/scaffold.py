@@ -54,7 +54,7 @@ class GRPORun:
     A subclass writes its schedule (`reward`: which reward pays this iteration; `sampler`: which network samples
     the answers, None for the policy itself) and its row (`row`); the base draws `config.n_groups` prompts per
     iteration from `prompts` and appends the task's diagnostics to the row. A row computes its exact evaluation
-through `self.evaluate(policy, compute)`, which the references that stop learning pay once.
+through `self.evaluate(compute, policy, ...)`, which the references that stop learning pay once.
     """
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], *,
