@@ -8,12 +8,21 @@ lazy-state and option checks, on every call. `step(optimizer)` performs the upda
 are the same bit for bit; every other optimizer, a subclass, an Adam with hooks or options those paths do not
 take, and the first step (which creates the state) go through `optimizer.step()` itself. `zero_grad(optimizer)` is
 `optimizer.zero_grad(set_to_none=True)`. tests/test_adam.py checks both against torch's own over many steps.
+
+`update(...)` is one update as every trainer makes it: zero_grad, backward, the raw gradients (when reported),
+the stabilizer's `after_backward`, the step.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.optim import optimizer as torch_optimizer
+
+if TYPE_CHECKING:
+    from stabench.suite.api import Stabilizer
+    from torch import nn
 
 _TORCH = torch.__version__.split("+")[0]
 
@@ -94,3 +103,21 @@ def step(optimizer: torch.optim.Optimizer) -> None:
             torch._foreach_div_(exp_avg_sq_sqrt, bias_correction2_sqrt)
             torch._foreach_add_(exp_avg_sq_sqrt, eps)
             torch._foreach_addcdiv_(params, exp_avgs, exp_avg_sq_sqrt, step_size)
+
+
+def update(loss: torch.Tensor, model: nn.Module, optimizer: torch.optim.Optimizer, stabilizer: Stabilizer,
+           reported: bool) -> dict[str, torch.Tensor] | None:
+    """zero_grad -> backward -> the raw gradients, before the stabilizer edits them (returned when `reported`;
+    a `None` gradient: no update there) -> `stabilizer.after_backward(model)` -> the optimizer step.
+
+    Where the stabilizer drops every gradient (the references) and nobody reads this update's gradients, the
+    whole update is skipped and None returned: it would change nothing."""
+    if not reported and stabilizer.drops_all_gradients():
+        return None
+    zero_grad(optimizer)
+    loss.backward()
+    grads = ({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+             if reported else None)
+    stabilizer.after_backward(model)
+    step(optimizer)
+    return grads

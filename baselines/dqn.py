@@ -30,7 +30,12 @@ object and `copy.deepcopy` branches it (the model is built by the caller, under 
 
 Held-out states: a caller may pass `heldout_obs` (S x obs_dim), a fixed probe set that the trainer never
 trains on as such; it records Q on them before every update and after the last one, and which of them
-happen to appear (as the same observation) in each update's TD batch, for churn diagnostics.
+happen to appear (as the same observation) in each update's TD batch, for churn diagnostics. When the
+network is the plain `QNetwork` (no stabilizer replaced or hooked it), the held-out rows ride along in the
+update's own forward pass (same parameters, one call instead of two); otherwise they get a forward of their own.
+
+Speed (bench/RESULTS.md): Adam is torch's fused CPU kernel (one call for every parameter), an iteration runs
+with subnormal floats flushed to zero (`iterate`), every update's replay indices are drawn at once.
 
 What `iterate()` returns (`suite.api.TrainState`):
 - `batch`: the iteration's last update's minibatch (the keys above); empty before learning starts;
@@ -63,6 +68,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from stabench.baselines import adam
+from stabench.baselines.models import hooked, linear, sequential
 from stabench.suite.api import Diverged, Stabilizer, TrainState
 from torch import nn
 
@@ -107,7 +113,7 @@ class QNetwork(nn.Module):
         self.head = nn.Linear(dims[-1], spec["n_actions"])
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.head(self.trunk(obs))
+        return linear(self.head, sequential(self.trunk, obs))  # the layers' kernels, without their __call__
 
     def hidden(self, obs: torch.Tensor) -> list[torch.Tensor]:
         """The trunk's post-activation hidden units (each batch x width), read by the `dormant` diagnostic."""
@@ -140,21 +146,23 @@ class ReplayBuffer:
         self.actions = np.zeros(capacity, dtype=np.int64)
         self.rewards = np.zeros(capacity, dtype=np.float32)
         self.terminated = np.zeros(capacity, dtype=np.float32)
+        self.tag = np.full(capacity, -1, dtype=np.int64)  # a caller's label of each stored obs (-1: none)
 
     def add(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, next_obs: np.ndarray,
-            terminated: np.ndarray) -> None:
+            terminated: np.ndarray, tag: np.ndarray | None = None) -> None:
         idx = (self.pos + np.arange(len(obs))) % self.capacity
         self.obs[idx], self.actions[idx], self.rewards[idx] = obs, action, reward
         self.next_obs[idx], self.terminated[idx] = next_obs, terminated
+        self.tag[idx] = -1 if tag is None else tag
         self.pos = int((self.pos + len(obs)) % self.capacity)
         self.size = min(self.size + len(obs), self.capacity)
 
-    def sample_obs(self, rng: np.random.Generator, n: int) -> torch.Tensor:
-        """The observations of a sample: the same draw from `rng` as `sample(rng, n)["obs"]`, without the rest."""
-        return torch.from_numpy(self.obs[rng.integers(0, self.size, n)])
+    def draw(self, rng: np.random.Generator, n: int | tuple[int, ...]) -> np.ndarray:
+        """Uniform indices of stored transitions, `n` of them (or an array of that shape)."""
+        return rng.integers(0, self.size, n)
 
-    def sample(self, rng: np.random.Generator, n: int) -> dict[str, torch.Tensor]:
-        idx = rng.integers(0, self.size, n)
+    def take(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        """The transitions at `idx`, as the per-update batch's tensors."""
         return {
             "obs": torch.from_numpy(self.obs[idx]),
             "actions": torch.from_numpy(self.actions[idx]),
@@ -174,8 +182,9 @@ class DQN:
         self.rng = np.random.default_rng(config.seed)
         self.model = self.stabilizer.model(model, getattr(model, "spec", {}))
         self.target = self._clone(self.model)
-        # foreach: on the CPU the same per-tensor arithmetic as the default loop, without Python per parameter
-        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps, foreach=True)
+        self.sync_pairs = (list(self.target.parameters()), list(self.model.parameters()))  # the target's update
+        # fused: one kernel for every parameter (a third of foreach's time on these small tensors)
+        opt = torch.optim.Adam(self.model.parameters(), lr=config.learning_rate, eps=config.adam_eps, fused=True)
         self.optimizer = self.stabilizer.optimizer(opt, self.model)
         self.updates_per_iteration = config.updates_per_iteration
 
@@ -183,10 +192,19 @@ class DQN:
         self.next_obs = np.asarray(obs, dtype=np.float32)
         self.buffer = ReplayBuffer(config.buffer_size, self.next_obs.shape[1])
         self.heldout_obs = heldout_obs
-        # exact-match lookup of held-out observations, to mark which of them each update's TD batch contains
-        self.heldout_index: dict[bytes, list[int]] = {}
+        # exact-match lookup of held-out observations, to mark which of them each update's TD batch contains:
+        # each distinct held-out observation is a group (aliased states share one), and the buffer stores the
+        # group of every observation it holds (-1: not a held-out one), looked up once per transition
+        self.heldout_group: dict[bytes, int] = {}
+        members: list[list[int]] = []
         for i, row in enumerate(heldout_obs.numpy() if heldout_obs is not None else []):
-            self.heldout_index.setdefault(row.tobytes(), []).append(i)
+            g = self.heldout_group.setdefault(row.tobytes(), len(members))
+            if g == len(members):
+                members.append([])
+            members[g].append(i)
+        self.group_members = np.zeros((len(members), len(heldout_obs) if heldout_obs is not None else 0), dtype=bool)
+        for g, rows in enumerate(members):
+            self.group_members[g, rows] = True
         self.global_step = 0
         self.updates = 0
         self.iteration = 0
@@ -220,6 +238,16 @@ class DQN:
 
     # ---- one iteration -------------------------------------------------------------------------------------
     def iterate(self) -> TrainState:
+        """One iteration, with subnormal floats flushed to zero (x86 FTZ/DAZ) while it runs: a dead unit's Adam
+        moments decay into the subnormal range, whose arithmetic is many times slower (Adam's step took three times
+        as long as on normal floats). Values below 1.2e-38 become 0; torch's default (no flush) is restored after."""
+        torch.set_flush_denormal(True)
+        try:
+            return self._iterate()
+        finally:
+            torch.set_flush_denormal(False)
+
+    def _iterate(self) -> TrainState:
         cfg, model = self.cfg, self.model
         ended: list[float] = []
         entropies: list[torch.Tensor] = []
@@ -242,8 +270,11 @@ class DQN:
                     real_next[i] = info["final_obs"][i]
                 final = info["final_info"]
                 ended.extend(float(r) for r in final["episode"]["r"][final["_episode"]])
+            tag = None
+            if self.heldout_group:
+                tag = np.array([self.heldout_group.get(row.tobytes(), -1) for row in obs], dtype=np.int64)
             self.buffer.add(obs, actions, np.asarray(rewards, dtype=np.float32), real_next,
-                            np.asarray(terminated, dtype=np.float32))
+                            np.asarray(terminated, dtype=np.float32), tag)
             self.next_obs = np.asarray(next_obs, dtype=np.float32)
 
         # 3. updates
@@ -254,42 +285,51 @@ class DQN:
         terms: dict[str, torch.Tensor] = {}
         heldout: list[torch.Tensor] = []
         in_batch: list[torch.Tensor] = []
+        # every update's replay sample is drawn at once: row u holds its TD batch, then its reference batch
+        draws = self.buffer.draw(self.rng, (n_updates, cfg.batch_size + cfg.ref_batch_size)) if n_updates else None
+        # the held-out states ride along in the TD forward (same parameters) when nothing but the plain network
+        # sees the batch: no stabilizer's replacement model and no hook
+        ride_along = (self.heldout_obs is not None and type(model) is QNetwork
+                      and not any(hooked(m) for m in model.modules()))
         for u in range(n_updates):
-            if self.heldout_obs is not None:
+            if self.heldout_obs is not None and not ride_along:
                 with torch.no_grad():
                     heldout.append(model(self.heldout_obs))
-            mb = self.buffer.sample(self.rng, cfg.batch_size)
-            mb["ref_obs"] = self.buffer.sample_obs(self.rng, cfg.ref_batch_size)
-            if self.heldout_obs is not None:  # the mask is built in numpy: a torch write per row cost microseconds
-                mask = np.zeros(len(self.heldout_obs), dtype=bool)
-                mask[[i for row in mb["obs"].numpy() for i in self.heldout_index.get(row.tobytes(), ())]] = True
-                in_batch.append(torch.from_numpy(mask))
+            idx = draws[u, :cfg.batch_size]
+            mb = self.buffer.take(idx)
+            mb["ref_obs"] = torch.from_numpy(self.buffer.obs[draws[u, cfg.batch_size:]])
+            if self.heldout_obs is not None:
+                groups = self.buffer.tag[idx]
+                in_batch.append(torch.from_numpy(self.group_members[groups[groups >= 0]].any(0)))
             with torch.no_grad():
                 next_q = self.target(mb["next_obs"]).max(-1).values
                 mb["td_target"] = mb["rewards"] + cfg.gamma * (1.0 - mb["terminated"]) * next_q
-            q_sa = model(mb["obs"]).gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1)
+            if ride_along:
+                q_all = model(torch.cat([mb["obs"], self.heldout_obs]))
+                q, q_held = q_all.split([cfg.batch_size, len(self.heldout_obs)])
+                heldout.append(q_held.detach())
+            else:
+                q = model(mb["obs"])
+            q_sa = q.gather(-1, mb["actions"].unsqueeze(-1)).squeeze(-1)
             td_loss = (q_sa - mb["td_target"]).pow(2).mean()
 
             terms = self.stabilizer.loss({"td": td_loss}, mb)
             loss = sum(terms.values())
-            if not torch.isfinite(loss):
-                raise Diverged(f"non-finite DQN loss {float(loss.detach())} at iteration {self.iteration}")
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                raise Diverged(f"non-finite DQN loss {loss_value} at iteration {self.iteration}")
 
-            adam.zero_grad(self.optimizer)
-            loss.backward()
-            if u == n_updates - 1:  # only the last update's gradients are reported
-                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-            self.stabilizer.after_backward(model)
-            adam.step(self.optimizer)
+            last = u == n_updates - 1  # only the last update's gradients are reported
+            raw = adam.update(loss, model, self.optimizer, self.stabilizer, reported=last)
+            grads = raw if last else grads
             self.updates += 1
             if self.updates % cfg.target_every == 0:
                 with torch.no_grad():
-                    for t, p in zip(self.target.parameters(), model.parameters()):
-                        t.mul_(1.0 - cfg.tau).add_(p, alpha=cfg.tau)
+                    torch._foreach_lerp_(*self.sync_pairs, cfg.tau)
 
             sums["td_loss"] += float(td_loss.detach())
             sums["q_mean"] += float(q_sa.detach().mean())
-            sums["loss"] += float(loss.detach())
+            sums["loss"] += loss_value
 
         for p in model.parameters():
             if not torch.isfinite(p).all():

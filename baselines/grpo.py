@@ -215,13 +215,10 @@ class GRPO:
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite GRPO loss at iteration {self.iteration}: {float(loss)}")
-                adam.zero_grad(self.optimizer)
-                loss.backward()
-                # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
-                grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
-                minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
-                self.stabilizer.after_backward(self.policy)
-                adam.step(self.optimizer)
+                raw = adam.update(loss, self.policy, self.optimizer, self.stabilizer, reported=epoch == cfg.epochs - 1)
+                if raw is not None:  # the last epoch's gradients, one flat vector per minibatch step
+                    grads = raw
+                    minibatch_grads.append(torch.cat([g.reshape(-1) for g in raw.values()]) if raw else torch.zeros(0))
                 report.add({"loss": float(loss.detach()), **reported})
 
         self.iteration += 1

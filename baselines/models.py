@@ -26,7 +26,7 @@ from torch.nn import functional as F
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, the same kernel without `nn.Module.__call__` when nothing hooks the layer: a tiny network's
     forward is mostly that call's Python (the rollout runs one forward per env step)."""
-    hooks = nn.modules.module  # the checks of `_hooked`, inline: this runs once per layer per env step
+    hooks = nn.modules.module  # the checks of `hooked`, inline: this runs once per layer per env step
     if (type(layer) is not nn.Linear or layer._forward_hooks or layer._forward_pre_hooks or layer._backward_hooks
             or layer._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
             or hooks._global_backward_hooks or hooks._global_backward_pre_hooks):
@@ -34,7 +34,7 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def _hooked(module: nn.Module) -> bool:
+def hooked(module: nn.Module) -> bool:
     """Whether a call of `module` would run hooks (its own or the global ones)."""
     hooks = nn.modules.module
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -46,15 +46,15 @@ def sequential(seq: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`seq(x)` for an `nn.Sequential` of Linear, Tanh and ReLU layers, the same kernels in the same order without
     each module's `__call__` where nothing hooks it (a tool task's MLP is called thousands of times per trial).
     Anything else (a wrapped or parametrized model, another layer type, a hook) is called as usual."""
-    if type(seq) is not nn.Sequential or _hooked(seq):
+    if type(seq) is not nn.Sequential or hooked(seq):
         return seq(x)
     for layer in seq:
         kind = type(layer)
         if kind is nn.Linear:
             x = linear(layer, x)
-        elif kind is nn.Tanh and not _hooked(layer):
+        elif kind is nn.Tanh and not hooked(layer):
             x = torch.tanh(x)
-        elif kind is nn.ReLU and not layer.inplace and not _hooked(layer):
+        elif kind is nn.ReLU and not layer.inplace and not hooked(layer):
             x = F.relu(x)
         else:
             x = layer(x)

@@ -260,12 +260,9 @@ class PPO:
                 if not math.isfinite(loss_value):
                     raise Diverged(f"non-finite PPO loss {loss_value} at iteration {self.iteration}")
 
-                adam.zero_grad(self.optimizer)
-                loss.backward()
-                if epoch == cfg.update_epochs - 1 and k == cfg.num_minibatches - 1:
-                    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-                self.stabilizer.after_backward(model)
-                adam.step(self.optimizer)
+                last = epoch == cfg.update_epochs - 1 and k == cfg.num_minibatches - 1  # the reported gradients
+                raw = adam.update(loss, model, self.optimizer, self.stabilizer, reported=last)
+                grads = raw if last else grads
 
                 report.add({"loss": loss_value, "policy_loss": float(pg_loss.detach()),
                             "value_loss": float(v_loss.detach()), "entropy_loss": float(entropy_mean.detach()),

@@ -153,7 +153,7 @@ class ToolPPO:
         chunks = torch.arange(cfg.n_groups * cfg.group_size).chunk(cfg.minibatches)
         clip_fracs = []
         report = LossReport()
-        for _ in range(cfg.epochs):
+        for epoch in range(cfg.epochs):
             minibatch_grads = []
             for rows in chunks:
                 mb = {k: v[rows] if v.dim() > 0 else v for k, v in batch.items()}
@@ -175,13 +175,10 @@ class ToolPPO:
                 loss = sum(terms.values())
                 if not torch.isfinite(loss):
                     raise Diverged(f"non-finite tool-PPO loss at iteration {self.iteration}: {float(loss)}")
-                adam.zero_grad(self.optimizer)
-                loss.backward()
-                # the raw gradients, before the stabilizer edits them (a `None` gradient: no update there)
-                grads = {n: p.grad.detach().clone() for n, p in self.policy.named_parameters() if p.grad is not None}
-                minibatch_grads.append(torch.cat([g.reshape(-1) for g in grads.values()]) if grads else torch.zeros(0))
-                self.stabilizer.after_backward(self.policy)
-                adam.step(self.optimizer)
+                raw = adam.update(loss, self.policy, self.optimizer, self.stabilizer, reported=epoch == cfg.epochs - 1)
+                if raw is not None:  # the last epoch's gradients, one flat vector per minibatch step
+                    grads = raw
+                    minibatch_grads.append(torch.cat([g.reshape(-1) for g in raw.values()]) if raw else torch.zeros(0))
                 report.add({"loss": float(loss.detach()), **reported})
 
         with torch.no_grad():

@@ -280,6 +280,12 @@ class Stabilizer:
     def after_backward(self, model: nn.Module) -> None:
         """Edit gradients in place (clipping, per-layer normalization); `None` skips a parameter's update."""
 
+    def drops_all_gradients(self) -> bool:
+        """True only while `after_backward` sets every gradient to `None` (the references): no update changes
+        the model, so a trainer may skip the backward, `after_backward` and the optimizer step of every update
+        whose gradients it does not report (`TrainState.grads`, `minibatch_grads`). Default False."""
+        return False
+
     def applies_to(self, task: Task) -> bool:
         """True where the task's trainer and the task provide every key this stabilizer `needs` (and, for one that
         overrides `rollout`, where the trainer calls that hook)."""

@@ -33,6 +33,9 @@ class NoUpdate(Stabilizer):
     def after_backward(self, model: nn.Module) -> None:
         drop_gradients(model)
 
+    def drops_all_gradients(self) -> bool:
+        return True
+
 
 class FrozenAtOnset(Stabilizer):
     """The baseline until onset, then no optimizer step: what the policy frozen at onset earns.
@@ -46,3 +49,6 @@ class FrozenAtOnset(Stabilizer):
     def after_backward(self, model: nn.Module) -> None:
         if self.frozen:
             drop_gradients(model)
+
+    def drops_all_gradients(self) -> bool:
+        return self.frozen

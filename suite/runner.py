@@ -157,14 +157,26 @@ def without_tune_logfiles() -> Iterator[None]:
             analysis.setLevel(level)
 
 
+# A progress report holds the trial until the driver has taken it (Tune's function API), 5% of a quick trial's
+# time at one report per 10 iterations (bench/RESULTS.md, benchmark 11's third round): a trial reports what it
+# reached at most this often, and at the end. With `--wandb`, whose curves are the reports, every one is sent.
+PROGRESS_SECONDS = 10.0
+
+
 def _tune_trainable(config: dict) -> None:
     """The Ray Tune function trainable: one trial, progress every few iterations, rows in a checkpoint."""
     trial = config["trial"]
     spec = TrialSpec(**{**trial, "detectors": tuple(trial["detectors"]),
                         "knobs": tuple((k, v) for k, v in trial.get("knobs", ()))})
     started = time.time()
+    every = 0.0 if config.get("curves", True) else PROGRESS_SECONDS
+    last = [started]
 
     def progress(iteration: int, variant: str, row: dict) -> None:
+        now = time.time()
+        if now - last[0] < every:
+            return
+        last[0] = now
         ret = row.get("return", math.nan)
         # each numeric metric also under its variant's name: what `--wandb` plots (the table holds every row)
         named = {f"{variant}/{k}": float(v) for k, v in row.items()
@@ -481,7 +493,7 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
             grid = [asdict(t) for t in run]
             tuner = tune.Tuner(
                 trainable,
-                param_space={"trial": tune.grid_search(grid)},
+                param_space={"trial": tune.grid_search(grid), "curves": bool(callbacks)},
                 tune_config=tune.TuneConfig(max_concurrent_trials=cpus, reuse_actors=True),
                 run_config=tune.RunConfig(
                     name=name,

@@ -1,11 +1,13 @@
 """The reference stabilizers `no-update` and `frozen-at-onset`: learners that do not learn."""
 
+import math
+
 import pytest
 import torch
 from conftest import TOY
 from stabench.suite import registry
 from stabench.suite.api import REFERENCE_METHODS
-from stabench.suite.references import FrozenAtOnset
+from stabench.suite.references import FrozenAtOnset, NoUpdate
 from stabench.suite.trial import TrialSpec, run_trial
 
 TOY_TASK = f"{TOY}:ToyTask"
@@ -82,3 +84,55 @@ def test_no_update_leaves_every_trainers_policy_untouched(task_id):
 
     assert moved("no-update") == []
     assert moved("baseline")  # the same iterations do train the baseline: the equality above is no accident
+
+
+class CountingNoUpdate(NoUpdate):
+    """`no-update` that counts its `after_backward` calls (one per backward the trainer ran)."""
+
+    name = "counting-no-update"
+
+    def __init__(self) -> None:
+        self.backwards = 0
+
+    def after_backward(self, model):
+        self.backwards += 1
+        super().after_backward(model)
+
+
+class EveryBackwardNoUpdate(CountingNoUpdate):
+    """The same reference, without telling the trainer it drops every gradient: every backward runs."""
+
+    def drops_all_gradients(self) -> bool:
+        return False
+
+
+def _same_row(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in a)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("task_id", ["parallel-staleness", "entropy-collapse", "rare-tool-states", "policy-churn"])
+def test_a_reference_skips_only_the_backward_passes_nobody_reads(task_id):
+    """Skipping the unread backward passes of a reference moves no number: every row (losses, gradient norms of
+    the reported gradients, returns) equals the run that does every backward, and fewer backward passes ran."""
+    task = registry.get_task(task_id)
+    budget = task.budget("smoke")
+    runs = {}
+    for cls in (CountingNoUpdate, EveryBackwardNoUpdate):
+        torch.manual_seed(0)
+        stabilizer = cls()
+        run = task.build("smoke", 0, stabilizer)
+        rows = [run.step(it >= budget.onset) for it in range(budget.iterations)]
+        runs[cls] = (rows, stabilizer.backwards)
+    (skipped, n_skipped), (full, n_full) = runs[CountingNoUpdate], runs[EveryBackwardNoUpdate]
+    assert all(_same_row(a, b) for a, b in zip(skipped, full, strict=True))
+    assert 0 < n_skipped < n_full
+
+
+def test_drops_all_gradients_is_declared_by_the_references_only():
+    assert registry.make_stabilizer("no-update").drops_all_gradients() is True
+    frozen = registry.make_stabilizer("frozen-at-onset")
+    assert frozen.drops_all_gradients() is False  # trains like the baseline until the harness freezes it
+    frozen.inner.frozen = True
+    assert frozen.drops_all_gradients() is True
+    assert registry.make_stabilizer("grad-clip").drops_all_gradients() is False

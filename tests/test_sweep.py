@@ -320,3 +320,26 @@ def test_extend_replace_runs_a_changed_task_again_and_keeps_the_others(tmp_path)
                                   pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
     sessions = json.loads((out / "manifest.json").read_text())["sessions"]
     assert sessions[-1]["tasks"] == [first] and sessions[-1]["replaced"] == [first]
+
+
+@pytest.mark.parametrize(("curves", "expected"), [(False, 0), (True, 3)])
+def test_a_trial_reports_progress_sparsely_unless_its_curves_are_logged(monkeypatch, curves, expected):
+    """Each report holds the trial until the driver has taken it: without `--wandb` a quick trial reports only
+    at the end (at most one report per `PROGRESS_SECONDS`); with it, every sampled row is a point of its curves."""
+    import pandas as pd
+    from stabench.suite import runner
+
+    reports = []
+
+    def fake_run_trial(spec, on_progress):
+        for it in range(3):
+            on_progress(it, "injected", {"return": 0.5})
+        return pd.DataFrame({"status": ["ok"], "return": [0.5]})
+
+    monkeypatch.setattr(runner, "run_trial", fake_run_trial)
+    monkeypatch.setattr(runner.tune, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    trial = {"task": "entropy-collapse", "method": "baseline", "seed": 0, "tier": "smoke", "detectors": [],
+             "knobs": []}
+    runner._tune_trainable({"trial": trial, "curves": curves})
+    progress = [r for r in reports if not r["done"]]
+    assert len(progress) == expected and reports[-1]["done"] and reports[-1]["status"] == "ok"

@@ -2,6 +2,7 @@
 scored on other seeds (`M@tuned`) and shown on the leaderboard only beside rows tuned with the same budget."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,21 @@ def test_a_row_scored_on_the_seeds_it_was_tuned_on_is_refused(tuned, plugin, tmp
                            "--stabilizer", f"{plugin}:ToyClip@tuned={out}", "--seed-start", "1000", "--out", str(run))
     assert code == 2 and "was tuned on seeds 1000-1001, which this run scores on" in err
     assert not run.exists()
+
+
+def test_an_extension_naming_the_tuned_setting_keeps_the_folders_tuning_record(tuned, plugin, tmp_path):
+    """`--extend` with the setting spelled out (`M@key=value`, which brings no tuning record of its own) keeps
+    the record the folder holds: the leaderboard reads it to say how the setting was chosen."""
+    out, _, run = tuned
+    record = json.loads((out / "tuning.json").read_text())
+    name = f"toy-clip@{registry.setting_text(record['setting'])}"
+    grown = tmp_path / "grown"
+    shutil.copytree(run, grown)
+    before = json.loads((grown / "manifest.json").read_text())["tuning"]
+    proc = stabench("run", "--tier", "smoke", "--tasks", f"{TOY}:ToyTask,{TOY}:SlowToyTask", "--methods", "baseline",
+                    "--stabilizer", f"{plugin}:ToyClip", "--stabilizer", f"{plugin}:ToyClip@{name.partition('@')[2]}",
+                    "--seeds", "2", "--cpus", "1", "--no-tensorboard", "--out", str(grown), "--extend")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((grown / "manifest.json").read_text())
+    assert len(manifest["spec"]["tasks"]) == 2
+    assert manifest["tuning"] == before and manifest["tuning"][name]["tuning_seeds"] == [1000, 1001]

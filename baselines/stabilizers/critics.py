@@ -214,8 +214,7 @@ class Chain(Stabilizer):
         ref = batch["ref_obs"]
         with torch.no_grad():
             q_prev = self.prev(ref)
-            for p_prev, p in zip(self.prev.parameters(), self.net.parameters()):
-                p_prev.copy_(p)  # theta_t, about to become one update back
+            torch._foreach_copy_(list(self.prev.parameters()), list(self.net.parameters()))  # theta_t, one back next
         reg = chain_regularizer(self.net(ref), q_prev)
         lam = self.lam
         if self.auto:
