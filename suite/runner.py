@@ -400,6 +400,7 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
         have = pd.read_csv(out / TRIALS, keep_default_na=False, dtype=str)
         have = have[~have["task"].isin(replace)]
         exp.present = frozenset(zip(have["task"], have["method"], have["seed"], have["knobs"]))
+        exp.tuning = json.loads(manifest_path.read_text()).get("tuning", {})  # checked readable above
         planned = {(t.task, t.method) for t in exp.trials} | {(task, m) for task, _, m in exp.identities}
         stale = sorted({f"{t} {m}" for t, m, _, _ in exp.present if (t, m) not in planned})
         if stale:
@@ -417,6 +418,7 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
             raise StabenchError(f"{out} holds a different experiment ({old.get('spec')}); rerun its own command")
         if old.get("suite_version") != SUITE_VERSION:
             raise StabenchError(f"{out} was made by suite version {old.get('suite_version')}, this is {SUITE_VERSION}")
+        exp.tuning = old.get("tuning", {})
     elif out.exists() and any(out.iterdir()):
         raise StabenchError(f"{out} already holds files; pass --resume to continue it, or choose another --out")
     return exp

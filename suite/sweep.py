@@ -5,7 +5,6 @@ The request is checked before Ray is imported, so a bad name or tier fails in a 
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -99,9 +98,7 @@ def run_sweep(tasks: Sequence[str] | None = None, *, tier: str = "quick", method
     if address:
         runner.check_address(address)
     exp = runner.prepare(folder, spec, resume, extend=extend, replace=tuple(replace))
-    # a resumed or extended folder keeps the tuning records it holds (a setting named as `M@key=value` brings none)
-    kept = json.loads((folder / runner.MANIFEST).read_text()).get("tuning", {}) if (resume or extend) else {}
-    exp.tuning = {**kept, **tuned}
+    exp.tuning = {**exp.tuning, **tuned}  # a resumed or extended folder keeps the tuning records it holds
     seeds_run = {t.seed for t in exp.trials}
     for name, record in tuned.items():  # a setting is never scored on the seeds it was chosen on
         clash = sorted(seeds_run & set(record.get("tuning_seeds", ())))
