@@ -7,8 +7,9 @@ A switch turns one change off by restoring the earlier code path in the process 
 runs on the code as it is): `gpt2` transformers' own forward for the tiny GPT-2; `gelu` the GELU without its
 in-place evaluation path; `allocator` glibc's default thresholds; `lean-adam` `Optimizer.step` / `zero_grad`
 instead of `baselines.adam`; `foreach` Adam's default per-parameter loop (and with it `Optimizer.step`), where
-the trainers ask for foreach; `room-table` policy-churn's room stepped by MiniGrid; `two-goals-table`
-representation-collapse's world stepped by MiniGrid. Every switch keeps the rows bit for bit (checked here on the
+the trainers ask for foreach; `room-table` policy-churn's room stepped by MiniGrid; `two-goals-vector`
+primacy-bias's worlds in gymnasium's SyncVectorEnv instead of `TwoGoalsVectorEnv`; `two-goals-table` both that and
+each world stepped by MiniGrid. Every switch keeps the rows bit for bit (checked here on the
 sum of every numeric column). Each run is a fresh process: import, one warm-up trial (seed 1), the measured trial
 (seed 0, baseline); turns alternate the order. Reported: the median of each side and of the per-turn ratios.
 """
@@ -46,9 +47,12 @@ elif switch == "foreach":
 elif switch == "room-table":
     from stabench.tasks import policy_churn
     policy_churn.make_empty_random_flat = policy_churn.minigrid_empty_random_flat
-elif switch == "two-goals-table":
-    from stabench.tasks import representation_collapse as rc
-    rc.make_two_goals = rc.minigrid_two_goals
+elif switch in ("two-goals-vector", "two-goals-table"):
+    from stabench.tasks import primacy_bias as rc
+    from stabench.tasks.worlds import grids
+    rc.TwoGoalsVectorEnv = lambda n: grids.make_vector_env(rc.ENV_ID, n)
+    if switch == "two-goals-table":
+        rc.make_two_goals = rc.minigrid_two_goals
 elif switch != "none":
     raise SystemExit(f"unknown switch {switch}")
 trial.run_trial(trial.TrialSpec(task, "baseline", 1, "quick"))

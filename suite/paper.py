@@ -33,7 +33,7 @@ PAPER = Path("paper")
 # task's rows come from the quick tier only: its calibration runs would repeat seeds the quick tier holds).
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
                    *(Path("results/calibration") / task / "seeds-0-9"
-                     for task in ("representation-collapse", "value-cold-start", "moe-routing"))]
+                     for task in ("value-cold-start", "moe-routing"))]
 MATRIX = Path("results/matrix")  # `stabench run --matrix`: every stabilizer on every default task
 
 

@@ -138,6 +138,7 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "critic-warmup": "stabench.baselines.stabilizers.critics:CriticWarmup",
     "chain": "stabench.baselines.stabilizers.critics:Chain",
     "isotropic-gaussian": "stabench.baselines.stabilizers.representation:IsotropicGaussian",
+    "head-reset": "stabench.baselines.stabilizers.resets:HeadReset",
     "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
     "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
     "r2m-features": "stabench.baselines.stabilizers.reward_models:R2MFeatures",

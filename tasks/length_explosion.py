@@ -423,7 +423,7 @@ class LengthExplosion(Task):
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
-        "quick": Budget(iterations=100, onset=10, seeds=5),
+        "quick": Budget(iterations=100, onset=10, seeds=3),  # 3 seeds: the quick tier's 10 minutes (README)
         "full": Budget(iterations=200, onset=10, seeds=10),
     }
     # Failure: the exact gold accuracy on the 25 new problems, averaged over the last quarter of the run, below 0.4.

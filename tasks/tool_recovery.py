@@ -239,7 +239,7 @@ class ToolRecovery(Task):
     trainer = "tool-ppo"
     budgets = {
         "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
-        "quick": Budget(iterations=160, onset=20, seeds=5),
+        "quick": Budget(iterations=160, onset=20, seeds=3),  # 3 seeds: the quick tier's 10 minutes (README)
         "full": Budget(iterations=200, onset=40, seeds=10),
     }
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)

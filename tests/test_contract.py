@@ -422,9 +422,9 @@ def test_one_installed_package_with_lazily_registered_environments(tmp_path: Pat
 def test_the_grid_tasks_declare_the_environments_their_runs_build() -> None:
     """`environments` is a literal read from the source: it must agree with the constants the runs use."""
     import gymnasium as gym
-    from stabench.tasks import policy_churn, representation_collapse
+    from stabench.tasks import policy_churn, primacy_bias
 
-    for module, task_id in ((policy_churn, "policy-churn"), (representation_collapse, "representation-collapse")):
+    for module, task_id in ((policy_churn, "policy-churn"), (primacy_bias, "primacy-bias")):
         declared = registry.resolve_class("task", task_id).environments
         entry, kwargs = declared[module.ENV_ID]
         assert kwargs == {"size": module.SIZE, "max_steps": module.MAX_STEPS}, task_id

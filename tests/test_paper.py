@@ -13,7 +13,7 @@ DATA = Path(__file__).parent / "data" / "paper_results"
 TEMPLATE = Path(__file__).resolve().parents[1] / "paper" / "paper.template.md"
 DRAWN = ["01_failure_mode_map", "02_kl_estimators", "03_layer_gradient_heatmap", "07_staleness_grid",
          "09_entropy", "11_stabilizer_leaderboard", "12_detection_latency"]
-SKIPPED = ["spectrum and effective rank", "policy-gradient variance", "reasoning length and accuracy",
+SKIPPED = ["return and head certainty", "policy-gradient variance", "reasoning length and accuracy",
            "policy churn", "tool-state ratio tails"]
 
 

@@ -9,6 +9,22 @@ import stabench.tasks.dead_layers  # noqa: F401  (registers the empty rooms)
 from stabench.tasks.worlds.grids import WORLDS, RoomVectorEnv, make_env, make_vector_env
 
 
+def same_step(a: tuple, b: tuple, k: int) -> int:
+    """Assert two vector envs' step results equal (observation, reward, terminated, truncated: values and dtypes;
+    the ended episodes' true return and length); return how many episodes ended."""
+    for x, y in zip(a[:4], b[:4]):
+        assert np.array_equal(x, y) and x.dtype == y.dtype, k
+    f1, f2 = a[4].get("final_info", {}), b[4].get("final_info", {})
+    assert ("episode" in f1) == ("episode" in f2), k
+    if "episode" not in f1:
+        return 0
+    m = f1["_episode"]
+    assert np.array_equal(m, f2["_episode"]), k
+    for key in ("r", "l"):  # the true, unscaled return and the length
+        assert np.array_equal(f1["episode"][key][m], f2["episode"][key][m]), k
+    return int(m.sum())
+
+
 @pytest.mark.parametrize("env_id", WORLDS)
 def test_room_vector_env_equals_sync_vector_env(env_id: str) -> None:
     n = 6
@@ -27,17 +43,7 @@ def test_room_vector_env_equals_sync_vector_env(env_id: str) -> None:
             for env in (ref, mine):
                 env.set_attr("reward_scale", 1000.0)
         actions = rng.choice(3, size=n, p=[0.2, 0.2, 0.6])
-        a, b = ref.step(actions), mine.step(actions)
-        for x, y in zip(a[:4], b[:4]):  # observation, reward (scaled), terminated, truncated
-            assert np.array_equal(x, y) and x.dtype == y.dtype, k
-        f1, f2 = a[4].get("final_info", {}), b[4].get("final_info", {})
-        assert ("episode" in f1) == ("episode" in f2)
-        if "episode" in f1:
-            m = f1["_episode"]
-            assert np.array_equal(m, f2["_episode"])
-            for key in ("r", "l"):  # the true, unscaled return and the length
-                assert np.array_equal(f1["episode"][key][m], f2["episode"][key][m])
-            ended += int(m.sum())
+        ended += same_step(ref.step(actions), mine.step(actions), k)
         for name in ("goal", "max_steps", "reward_scale"):
             assert tuple(ref.get_attr(name)) == mine.get_attr(name)
     assert ended > 100 and mine.get_attr("goal") == ((2, 2),) * n

@@ -10,6 +10,7 @@ aggregation.py     aggregation and baseline of the policy term, group filters
 architecture.py    network changes (multiskip-residual, markovian-chunks)
 critics.py         value estimates (mini-critics, critic-warmup, chain)
 representation.py  feature regularizers (isotropic-gaussian)
+resets.py          re-initializing part of the network when the return falls (head-reset)
 routing.py         Mixture-of-Experts routing replay (routing-replay: the sampler's routes, R3; routing-replay-old: R2)
 reward_models.py   learned-reward ensembles (conservative-ensemble)
 rewards.py         terms added to the task's reward (brier-reward)

@@ -8,10 +8,10 @@ standard normal's on 8 points t in [-5, 5]:
 
     loss = mean over (m, t) of (mean_batch cos(t s) - exp(-t^2 / 2))^2 + (mean_batch sin(t s))^2
 
-and adds `lam * loss` to the trainer's loss through the `loss` hook. lam = 5: on version 1 of the
-`representation-collapse` task the usual 0.2-1.0 changed nothing, while 5 helped 2 of 5 seeds but already
-slows learning from scratch (10 and 25 slow it more and help less). A task may set its own weight on the
-instance (representation-collapse's knob `isotropic_lam`); the class default stays 5. A batch of
+and adds `lam * loss` to the trainer's loss through the `loss` hook. lam = 5: on version 1 of the task
+then named representation-collapse (now `primacy-bias`) the usual 0.2-1.0 changed nothing, while 5 helped
+2 of 5 seeds but already slows learning from scratch (10 and 25 slow it more and help less). A task may set its
+own weight on the instance (primacy-bias's knob `isotropic_lam`); the class default stays 5. A batch of
 standard-normal features scores about (1 - e^{-t^2}) / (2 B) per point, i.e. near 0; collapsed (constant)
 features score O(1).
 The features are read without touching the trainer: the `model` hook registers a forward pre-hook on

@@ -1,4 +1,4 @@
-"""representation-collapse: the world, the exact evaluator, the spectrum diagnostic, the regularizer, the knobs."""
+"""primacy-bias: the world, the exact evaluator, the spectrum diagnostic, the regularizer, the knobs."""
 
 from __future__ import annotations
 
@@ -20,25 +20,30 @@ from stabench.baselines.stabilizers.representation import (  # noqa: E402
     isotropic_gaussian_loss,
     random_directions,
 )
+from stabench.baselines.stabilizers.resets import HeadReset  # noqa: E402
 from stabench.suite import registry  # noqa: E402
 from stabench.suite.api import StabenchError, Stabilizer, TrainState  # noqa: E402
 from stabench.suite.diagnostics import DIAGNOSTICS, effective_rank  # noqa: E402
-from stabench.tasks.representation_collapse import (  # noqa: E402
+from stabench.tasks.primacy_bias import (  # noqa: E402
     CELLS,
     ENV_ID,
-    RepresentationCollapse,
+    N_ACTIONS,
+    PrimacyBias,
+    TwoGoalsVectorEnv,
     confident_shortfall,
     cue_gap,
     make_two_goals,
     minigrid_two_goals,
     world_table,
 )
+from stabench.tasks.worlds.grids import make_env  # noqa: E402
+from test_room_vector_env import same_step  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
 
 
-ONSET_RANGE = "representation-collapse: onset must be an integer in 1..119 (inside every quick and full run), got "
+ONSET_RANGE = "primacy-bias: onset must be an integer in 1..119 (inside every quick and full run), got "
 
 
 def same_rows(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -145,7 +150,7 @@ def test_table_driven_world_renders_as_minigrid() -> None:
 def test_exact_values_the_frozen_policy_earns_half() -> None:
     table = world_table()
     n = len(table.goal)
-    assert RepresentationCollapse.return_ceiling < table.optimum(0)
+    assert PrimacyBias.return_ceiling < table.optimum(0)
     assert table.optimum(0) == table.optimum(1) == pytest.approx(table.optimum(0, True)) == pytest.approx(0.6657142857)
     uniform = np.full((n, 3), 1 / 3)
     assert table.value(uniform, 0) == pytest.approx(table.value(uniform, 0, True))
@@ -173,40 +178,43 @@ def test_exact_values_the_frozen_policy_earns_half() -> None:
         ({"control": "fixed"}, "unknown control 'fixed'"),
         ({"reset": "nope"}, "unknown reset 'nope'"),
         ({"isotropic_lam": -1.0}, "isotropic_lam must be a number >= 0"),
-        ({"colour": 1}, "representation-collapse: unknown knob colour; known: switch_every"),
-        ({"tracking_window": 81}, "tracking_window 81 exceeds switch_every 80"),
+        ({"colour": 1}, "primacy-bias: unknown knob colour; known: switch_every"),
+        ({"tracking_window": 41}, "tracking_window 41 exceeds switch_every 40"),
         ({"depth": 1}, "depth must be at least 2"),
     ],
 )
 def test_bad_knobs_are_one_clear_error(knobs: dict, message: str) -> None:
     with pytest.raises(StabenchError, match=re.escape(message)):
-        RepresentationCollapse(**knobs)
+        PrimacyBias(**knobs)
 
 
 def test_onset_knob_moves_the_quick_and_full_onsets_and_fix_the_matched_fix() -> None:
-    task = RepresentationCollapse(onset=50)
+    task = PrimacyBias(onset=50)
     assert task.budget("quick").onset == 50 and task.budget("full").onset == 50
     assert task.budget("smoke").onset == 2  # the smoke tier keeps its own, as for every task
     assert task.build("smoke", 0, Stabilizer()).budget.onset == 2
-    fixed = RepresentationCollapse(fix="entropy-bonus")
+    fixed = PrimacyBias(fix="entropy-bonus")
     assert fixed.matched_fix == "entropy-bonus" and fixed.role("entropy-bonus") == "matched-fix"
     assert fixed.methods == ("baseline", "entropy-bonus")
-    other = RepresentationCollapse(fix="grad-clip")
+    other = PrimacyBias(fix="grad-clip")
     assert other.methods == ("baseline", "grad-clip", "entropy-bonus") and other.role("grad-clip") == "matched-fix"
-    assert RepresentationCollapse().matched_fix == "isotropic-gaussian"  # the class attribute is untouched
+    assert PrimacyBias().matched_fix == "head-reset"  # the class attribute is untouched
 
 
 def test_registered_names_resolve() -> None:
-    assert isinstance(registry.get_task("representation-collapse"), RepresentationCollapse)
+    assert isinstance(registry.get_task("primacy-bias"), PrimacyBias)
     assert registry.resolve_class("stabilizer", "isotropic-gaussian") is IsotropicGaussian
     assert registry.resolve_class("stabilizer", "entropy-bonus") is EntropyBonus
-    task = RepresentationCollapse()
+    assert registry.resolve_class("stabilizer", "head-reset") is HeadReset
+    assert PrimacyBias().matched_fix == "head-reset"
+    assert not HeadReset().applies_to(registry.get_task("entropy-collapse"))  # a GRPO task: no policy head
+    task = PrimacyBias()
     assert all(name in DIAGNOSTICS for name in task.diagnostics)
     assert all(registry.make_stabilizer(m).applies_to(task) for m in task.methods)
 
 
 def test_rows_deterministic_per_seed_and_deepcopy_branches() -> None:
-    task = RepresentationCollapse()
+    task = PrimacyBias()
     rows = []
     for global_seed in (1, 2):
         torch.manual_seed(global_seed)  # the global torch state must not matter
@@ -232,7 +240,7 @@ def test_rows_deterministic_per_seed_and_deepcopy_branches() -> None:
 
 
 def test_fresh_control_replaces_the_network_at_each_switch() -> None:
-    task = RepresentationCollapse(switch_every=2, tracking_window=1)
+    task = PrimacyBias(switch_every=2, tracking_window=1)
     run = task.build("smoke", 0, EntropyBonus())  # onset 2, 6 iterations
     first = run.trainer.model
     rows = [run.step(False) for _ in range(6)]
@@ -247,7 +255,7 @@ def test_fresh_control_replaces_the_network_at_each_switch() -> None:
 
 
 def test_default_schedule_reports_tracking_at_the_end_of_the_run() -> None:
-    run = RepresentationCollapse(tracking_window=2).build("smoke", 0, Stabilizer())  # one period: updates 2-5
+    run = PrimacyBias(tracking_window=2).build("smoke", 0, Stabilizer())  # one period: updates 2-5
     rows = [run.step(True) for _ in range(6)]
     assert [r["cued"] for r in rows] == [0, 0, 1, 1, 1, 1] and run.networks == 1
     assert [math.isnan(r["tracking"]) for r in rows] == [True] * 5 + [False]
@@ -257,7 +265,7 @@ def test_default_schedule_reports_tracking_at_the_end_of_the_run() -> None:
 
 def test_tracking_reads_only_its_own_period() -> None:
     """A period the run cuts short (here one update) tracks over its own updates, never the previous period's."""
-    run = RepresentationCollapse(switch_every=3, tracking_window=3).build("smoke", 0, Stabilizer())
+    run = PrimacyBias(switch_every=3, tracking_window=3).build("smoke", 0, Stabilizer())
     rows = [run.step(True) for _ in range(6)]  # periods: updates 2-4, then 5 (the run ends)
     assert [r["paying"] for r in rows] == [0, 0, 0, 0, 0, 1]
     assert [math.isnan(r["tracking"]) for r in rows] == [True, True, True, True, False, False]
@@ -268,7 +276,7 @@ def test_tracking_reads_only_its_own_period() -> None:
 @pytest.mark.parametrize(("part", "changed"), [("head", {"policy"}), ("trunk", {"layers", "out"}),
                                                 ("heads", {"policy", "value"})])
 def test_reset_reinitializes_only_its_part_at_the_switch(part: str, changed: set[str]) -> None:
-    run = RepresentationCollapse(reset=part).build("smoke", 0, Stabilizer())
+    run = PrimacyBias(reset=part).build("smoke", 0, Stabilizer())
     run.step(True), run.step(True)
     before = {k: v.clone() for k, v in run.trainer.model.state_dict().items()}
     optimizer = run.trainer.optimizer
@@ -276,7 +284,7 @@ def test_reset_reinitializes_only_its_part_at_the_switch(part: str, changed: set
     assert run.trainer.optimizer is not optimizer
     moved = {k.split(".")[0] for k, v in run.trainer.model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed <= moved  # the reset part moved (re-initialized), the rest only by one update
-    fresh = RepresentationCollapse().build("smoke", 0, Stabilizer())
+    fresh = PrimacyBias().build("smoke", 0, Stabilizer())
     fresh.step(True), fresh.step(True), fresh.step(True)
     same = {k.split(".")[0] for k, v in run.trainer.model.state_dict().items()
             if torch.equal(v, fresh.trainer.model.state_dict()[k])}
@@ -285,7 +293,74 @@ def test_reset_reinitializes_only_its_part_at_the_switch(part: str, changed: set
 
 def test_isotropic_weight_is_a_task_setting_and_the_class_default_stays() -> None:
     assert IsotropicGaussian.lam == 5.0
-    default = RepresentationCollapse().build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
+    default = PrimacyBias().build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
     assert default.stabilizer.inner.lam == 5.0
-    set_ = RepresentationCollapse(isotropic_lam=2.0).build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
+    set_ = PrimacyBias(isotropic_lam=2.0).build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
     assert set_.stabilizer.inner.lam == 2.0 and IsotropicGaussian.lam == 5.0
+
+
+def test_head_reset_fires_when_the_smoothed_reward_rate_falls_by_drop() -> None:
+    fix = HeadReset()  # window 5, drop 0.3
+    assert not any(fix.fell(r) for r in [0.1, 0.2, 0.3, 0.3, 0.3, 0.3, 0.28, 0.3])  # learning, then noise
+    assert fix.best == pytest.approx(0.296)
+    assert [fix.fell(0.1) for _ in range(3)] == [False, False, True]  # smoothed 0.256, 0.216, 0.176 < 0.207
+    fix.rates, fix.best = [0.5] * 5, 0.5
+    network = PrimacyBias().build("smoke", 0, Stabilizer()).trainer.model
+    assert fix.model(network, {}) is network and fix.net is network
+    assert fix.rates == [] and fix.best == -math.inf  # a new network starts its own record
+
+
+def test_head_reset_reinitializes_the_policy_head_and_adam_and_skips_that_policy_step() -> None:
+    run = PrimacyBias().build("smoke", 0, registry.make_stabilizer("head-reset"))
+    fix = run.stabilizer.inner
+    assert fix.net is run.trainer.model and fix.opt is run.trainer.optimizer
+    run.step(False)
+    assert fix.resets == 0 and len(run.trainer.optimizer.state) > 0
+    before = {k: v.clone() for k, v in run.trainer.model.state_dict().items()}
+    fix.rates, fix.best = [0.0] * 4, 1.0  # a record the next rollout (reward 0) completes far below its best
+    obs = world_table().obs[:8]
+    batch = {"obs": obs, "actions": torch.zeros(8, dtype=torch.long), "rewards": torch.zeros(8),
+             "advantages": torch.ones(8), "old_logp": torch.zeros(8), "anchor_logp": torch.zeros(8),
+             "behaviour_logp": torch.zeros(8)}
+    out = fix.rollout(batch, {})
+    after = run.trainer.model.state_dict()
+    moved = {k for k, v in after.items() if not torch.equal(v, before[k])}
+    assert moved == {"policy.weight", "policy.bias"} and fix.resets == 1
+    assert float(after["policy.bias"].abs().max()) == 0.0 and float(after["policy.weight"].norm()) < 0.1
+    assert len(run.trainer.optimizer.state) == 0  # Adam's moments start afresh
+    assert torch.equal(out["advantages"], torch.zeros(8))  # no policy step on the stale batch
+    want = torch.log_softmax(run.trainer.model(obs)[0], -1)[:, 0]
+    assert torch.allclose(out["old_logp"], want) and torch.allclose(out["anchor_logp"], want)
+    assert torch.equal(out["behaviour_logp"], batch["behaviour_logp"])
+    assert fix.rollout(batch, {}) is batch  # the record restarted: no second reset
+
+    branch = copy.deepcopy(run)  # a branch's stabilizer resets the branch's own network
+    copied = branch.stabilizer.inner
+    assert copied.net is branch.trainer.model and copied.opt is branch.trainer.optimizer
+
+
+def test_vector_world_equals_the_sync_vector_env_it_replaces() -> None:
+    """The numpy vector world the runs use steps as the SyncVectorEnv of wrapped single worlds, bit for bit."""
+    n = 6
+    ref = gym.vector.SyncVectorEnv([lambda: make_env(ENV_ID) for _ in range(n)],
+                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    mine = TwoGoalsVectorEnv(n)
+    o1, o2 = ref.reset(seed=3)[0], mine.reset(seed=3)[0]
+    assert np.array_equal(o1, o2) and o1.dtype == o2.dtype
+    rng, ended = np.random.default_rng(0), 0
+    for k in range(1500):
+        if k == 300:  # the cued rule, then the swap, mid-episode as the task sets them
+            for env in (ref, mine):
+                env.set_attr("cued", True)
+        if k == 900:
+            for env in (ref, mine):
+                env.set_attr("paying", 1)
+        actions = rng.integers(0, N_ACTIONS, size=n)
+        ended += same_step(ref.step(actions), mine.step(actions), k)
+        for name in ("cue", "paying", "cued"):
+            assert tuple(ref.get_attr(name)) == mine.get_attr(name)
+    assert ended > 1000 and mine.get_attr("paying") == (1,) * n
+    with pytest.raises(ValueError):
+        mine.step(np.array([0, 3, 0, 0, 0, 0]))
+    with pytest.raises(AttributeError):
+        mine.set_attr("max_steps", 5)
