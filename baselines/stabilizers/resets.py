@@ -9,7 +9,10 @@ where the change falls. The rule reads only what the learner sees:
     rate_i = mean reward per environment step of iteration i's rollout
     smooth_i = mean of rate over the last `window` iterations
     best = max smooth_j since this network (or its last reset) began
-    reset when  i >= window  and  smooth_i < (1 - drop) * best,  then forget `best`
+    reset when  i >= window  and  best > 0  and  smooth_i < (1 - drop) * best,  then forget `best`
+
+(a relative fall: it needs a positive reward rate to fall from, so on a task whose rewards stay at or below 0 it
+never fires).
 
 On the iteration of a reset the batch was collected by the policy that has just been found wanting, so the
 policy takes no step on it: its advantages are zeroed (the value head still regresses on its returns) and its
