@@ -107,17 +107,25 @@ def make_spec(obs_dim: int, n_actions: int, width: int = 64, depth: int = 16) ->
     return {"obs_dim": int(obs_dim), "n_actions": int(n_actions), "width": int(width), "depth": int(depth)}
 
 
+POLICY_GAIN = 0.01  # CleanRL's policy head: a near-uniform initial policy
+
+
+def init_head(head: nn.Linear, gain: float, generator: torch.Generator | None = None) -> None:
+    """CleanRL's head init, in place: orthogonal weights of `gain`, zero bias (`generator`: None, the global one)."""
+    with torch.no_grad():
+        nn.init.orthogonal_(head.weight, gain, generator=generator)
+        nn.init.zeros_(head.bias)
+
+
 class ActorCritic(nn.Module):
     """Base class: subclasses build the trunk, call `_heads`, and define `hidden` (and a faster `features`)."""
 
     spec: dict[str, Any]
 
     def _heads(self, width: int, n_actions: int) -> None:
-        # CleanRL's head init: a near-uniform initial policy (orthogonal, gain 0.01), value gain 1.
         self.policy, self.value = nn.Linear(width, n_actions), nn.Linear(width, 1)
-        for head, gain in ((self.policy, 0.01), (self.value, 1.0)):
-            nn.init.orthogonal_(head.weight, gain)
-            nn.init.zeros_(head.bias)
+        init_head(self.policy, POLICY_GAIN)
+        init_head(self.value, 1.0)
 
     def features(self, obs: torch.Tensor) -> torch.Tensor:
         return self.hidden(obs)[-1]

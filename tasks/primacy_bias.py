@@ -105,7 +105,7 @@ from stabench.baselines.stabilizers.representation import IsotropicGaussian
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
 from stabench.suite.figures import need, onset_line, save
-from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, flat_view, flatten_minigrid
+from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, RoomVectorEnv, flat_view, flatten_minigrid
 from stabench.tasks.worlds.scaffold import Trailing
 from torch import nn
 
@@ -185,6 +185,16 @@ class TwoGoalsEnv(MiniGridEnv):
         return {"image": image.copy(), "direction": self.agent_dir, "mission": self.mission}
 
 
+def draw_start(rng: np.random.Generator, size: int) -> tuple[int, int, int, int]:
+    """An episode's (cue, x, y, direction), drawn as `TwoGoalsEnv._gen_grid` draws them: the cue, then
+    `place_agent` (cells until a free one off the goals, then a direction)."""
+    cue = int(rng.integers(0, len(CUE_COLOURS)))
+    while True:
+        x, y = int(rng.integers(0, size)), int(rng.integers(0, size))
+        if 0 < x < size - 1 and 0 < y < size - 1 and (x, y) not in GOALS:
+            return cue, x, y, int(rng.integers(0, 4))
+
+
 def make_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
     """The world with the grids family's interface: flat 75-dim view / 10, three actions. Stepped from its table
     (`TwoGoalsFlat`, equal to `minigrid_two_goals` bit for bit, the random cue and start included)."""
@@ -259,13 +269,8 @@ class TwoGoalsFlat(gym.Env):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
-        rng = self.np_random
-        self.cue = int(rng.integers(0, len(CUE_COLOURS)))  # TwoGoalsEnv._gen_grid: the cue, then place_agent
-        while True:
-            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
-            if 0 < x < self.size - 1 and 0 < y < self.size - 1 and (x, y) not in GOALS:
-                break
-        self.state, self.step_count = self._index[(self.cue, x, y, int(rng.integers(0, 4)))], 0
+        start = draw_start(self.np_random, self.size)
+        self.cue, self.state, self.step_count = start[0], self._index[start], 0
         if self.render_mode == "human":
             self.render()
         return self._views[self.state].copy(), {}
@@ -412,16 +417,11 @@ class TwoGoalsVectorEnv(gym.vector.VectorEnv):
         return tuple(v.item() for v in getattr(self, name))
 
     def _start(self, env: int) -> None:
-        """`TwoGoalsFlat.reset` for one env: the cue, then a free cell off the goals, then a direction."""
-        rng = self.rngs[env]
-        if rng is None:
-            rng = self.rngs[env] = seeding.np_random()[0]
-        cue = int(rng.integers(0, len(CUE_COLOURS)))
-        while True:
-            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
-            if 0 < x < self.size - 1 and 0 < y < self.size - 1 and (x, y) not in GOALS:
-                break
-        self.cue[env], self.state[env] = cue, self._index[(cue, x, y, int(rng.integers(0, 4)))]
+        """`TwoGoalsFlat.reset` for one env, from its own generator."""
+        if self.rngs[env] is None:
+            self.rngs[env] = seeding.np_random()[0]
+        start = draw_start(self.rngs[env], self.size)
+        self.cue[env], self.state[env] = start[0], self._index[start]
         self.t[env], self.ret[env] = 0, 0.0
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
@@ -440,7 +440,7 @@ class TwoGoalsVectorEnv(gym.vector.VectorEnv):
         goal = self._goal[self.state]
         terminated = goal >= 0
         pays = np.where(self.cued, self.cue ^ self.paying, self.paying)
-        reward = np.where(terminated & (goal == pays), 1 - 0.9 * (self.t / self.max_steps), 0.0)
+        reward = np.where(terminated & (goal == pays), RoomVectorEnv.reward(self.t, self.max_steps), 0.0)
         truncated = self.t >= self.max_steps
         self.ret += reward
         done = terminated | truncated

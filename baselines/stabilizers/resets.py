@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 from ray import tune
+from stabench.baselines.models import POLICY_GAIN, init_head
+from stabench.baselines.ppo import categorical_logprob_entropy
 from stabench.suite.api import Stabilizer
 from torch import nn
 
@@ -70,11 +72,7 @@ class HeadReset(Stabilizer):
         return self.best > 0 and smooth < (1.0 - self.drop) * self.best
 
     def reset_head(self) -> None:
-        head = self.net.policy
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.resets)
-        with torch.no_grad():
-            nn.init.orthogonal_(head.weight, 0.01, generator=generator)
-            head.bias.zero_()
+        init_head(self.net.policy, POLICY_GAIN, torch.Generator().manual_seed(self.seed * 1_000_003 + self.resets))
         if self.opt is not None:
             self.opt.state.clear()  # Adam starts every moment afresh
         self.resets += 1
@@ -85,6 +83,5 @@ class HeadReset(Stabilizer):
             return batch
         self.reset_head()
         with torch.no_grad():
-            logits, _ = self.net(batch["obs"])
-            logp = torch.log_softmax(logits, -1).gather(-1, batch["actions"].long().unsqueeze(-1)).squeeze(-1)
+            logp = categorical_logprob_entropy(self.net(batch["obs"])[0], batch["actions"])[0]
         return {**batch, "old_logp": logp, "anchor_logp": logp, "advantages": torch.zeros_like(batch["advantages"])}
