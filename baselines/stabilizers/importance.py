@@ -15,6 +15,18 @@ below reduce to the trainer's term.
 - `seq-tis` (sequence-level truncated IS, verl's `seq_is`): the same trust region with one detached weight
   per answer, the truncated product of its token ratios, w_i = min(prod_t pi_old / q, C), C = 2 (on a step
   rollout each action is its own sequence: token-tis).
+- `token-mis` (masked IS, Liu, Li et al. 2025, "When Speed Kills Stability"): token-tis with the cap made a
+  mask, a token whose ratio is implausible dropped instead of kept at C,
+      L = sum_t w_t m_t max(-A r', -A clip(r')),   m_t = pi_old / q if pi_old / q <= C else 0,   C = 2.
+  A masked token still counts in the aggregation's denominator (`token_weighted_sum` keeps its w_t), so
+  masking scales the step down; the same holds for the two below.
+- `seq-mis` (sequence-level masked IS, verl's `seq_mis`): the mask on the answer's product of token ratios,
+  m_i = rho_i if rho_i <= C else 0 on every token of answer i, rho_i = prod_t pi_old / q, C = 2: an answer
+  seq-tis would keep at C is dropped whole (on a step rollout: token-mis).
+- `geo-mis` (geometric sequence masking, verl's `geo_rs`): answer i is dropped whole when the geometric mean
+  of its token ratios, g_i = exp(mean_t log(pi_old / q)), leaves [1 / C_g, C_g], C_g = 1.25; the tokens of a
+  kept answer keep token-tis's weight min(pi_old / q, C), C = 2. Length-normalized: unlike seq-mis it does
+  not drop a long answer for its length alone.
 - `turn-is` (after SORL / ST-PPO, Li et al. 2025; multi-turn trainers): the sampler's off-policyness corrected
   once per turn, by the turn's truncated likelihood ratio (the turn is the action the tool answers):
       w_k  = min(prod_{t in k} pi_old / q, C), C = 2                  (turn-level truncated IS, detached)
@@ -35,6 +47,7 @@ below reduce to the trainer's term.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,8 +67,12 @@ class TokenTIS(Stabilizer):
         """log(pi_old / q) per action, before truncation."""
         return batch["old_logp"] - batch["behaviour_logp"]
 
+    def weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The weight per action (detached by `loss`): min(exp(log_weight), C)."""
+        return torch.exp(self.log_weight(batch)).clamp(max=self.max_weight)
+
     def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        weight = torch.exp(self.log_weight(batch)).clamp(max=self.max_weight).detach()
+        weight = self.weight(batch).detach()
         ratio = torch.exp(batch["logp"] - batch["old_logp"])
         per_action = policy_term(ratio, batch["advantages"], batch["clip_low"], batch["clip_high"])
         return {**terms, "policy": token_weighted_sum(weight * per_action, batch)}
@@ -69,6 +86,38 @@ class SequenceTIS(TokenTIS):
         """The answer's summed log-ratio on every one of its tokens (a step rollout: each action its own)."""
         log_w = (batch["old_logp"] - batch["behaviour_logp"]) * batch["mask"]
         return log_w.sum(-1, keepdim=True) if log_w.dim() > 1 else log_w
+
+
+class TokenMIS(TokenTIS):
+    name = "token-mis"
+
+    def weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """exp(log_weight) where it is at most C, else 0: the action is masked instead of truncated."""
+        w = torch.exp(self.log_weight(batch))
+        return torch.where(w <= self.max_weight, w, torch.zeros_like(w))
+
+
+class SequenceMIS(SequenceTIS, TokenMIS):
+    name = "seq-mis"  # SequenceTIS's log_weight (the answer's summed log-ratio), TokenMIS's mask
+
+
+class GeometricMIS(TokenTIS):
+    name = "geo-mis"
+    needs = TokenTIS.needs | {"mask"}
+    geo_bound: float = 1.25  # C_g: an answer is kept while its geometric-mean ratio lies in [1 / C_g, C_g]
+    search_space = {"max_weight": tune.loguniform(1.0, 10.0), "geo_bound": tune.loguniform(1.01, 3.0)}
+
+    def weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """min(pi_old / q, C) per token, 0 on every token of an answer whose mean log-ratio leaves
+        [-log C_g, log C_g] (a step rollout: each action its own answer)."""
+        log_w = self.log_weight(batch)
+        if log_w.dim() > 1:
+            mask = batch["mask"]
+            log_g = (log_w * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+        else:
+            log_g = log_w
+        w = torch.exp(log_w).clamp(max=self.max_weight)
+        return torch.where(log_g.abs() <= math.log(self.geo_bound), w, torch.zeros_like(w))
 
 
 def turn_mean(values: torch.Tensor, turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
