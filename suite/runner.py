@@ -406,6 +406,9 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
         if stale:
             raise StabenchError(f"{out} holds trials this request no longer plans ({', '.join(stale[:3])}"
                                 f"{', ...' if len(stale) > 3 else ''}): rerun it whole")
+        lacking = [t for t in exp.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in exp.present]
+        if not lacking and not replace:  # neither a new task nor a method registered since
+            raise StabenchError(f"{out} already holds every requested trial: nothing to add")
         return exp
     if resume:
         if not manifest_path.is_file():
@@ -450,8 +453,6 @@ def _extension_base(out: Path, spec: ExperimentSpec, replace: tuple[str, ...] = 
     foreign = sorted(set(replace) - set(kept))
     if foreign:
         raise StabenchError(f"--replace names {', '.join(foreign)}, which {out} does not hold: add it without it")
-    if set(spec.tasks) == set(kept) and not replace:
-        raise StabenchError(f"{out} already holds every requested task: nothing to add")
     if replace and set(kept) <= set(replace):
         raise StabenchError(f"--replace names every task {out} holds: rerun it whole")
     return kept
@@ -484,7 +485,8 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
         adding = f" (adding {', '.join(t for t in exp.spec.tasks if t not in exp.kept)})" if exp.kept else ""
         print(f"stabench: {len(run)} trials on {where} with {cpus} CPUs -> {exp.out}{adding}", file=sys.stderr)
         trainable = tune.with_resources(_tune_trainable, {"cpu": 1})
-        done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet")))
+        # a resumed run's finished trials (a fresh run may reuse the Tune folder of an earlier extension)
+        done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet"))) if resume else 0
         progress = ProgressCallback(len(run), already=done)
         if resume and tune.Tuner.can_restore(str(tune_path)):
             print(f"stabench: resuming, {done} of {len(run)} trials already finished", file=sys.stderr)
@@ -568,7 +570,9 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     first = {"tasks": [*exp.kept, *exp.replaced], "wall_seconds": old_manifest.get("wall_seconds")}
     history = old_manifest.get("sessions") or [first]
     added = [t for t in exp.spec.tasks if t not in exp.kept]
-    session = {"tasks": added, "wall_seconds": seconds, **({"replaced": list(exp.replaced)} if exp.replaced else {})}
+    methods = sorted(set(trials.loc[trials["task"].isin(exp.kept), "method"]))  # registered since, on kept tasks
+    session = {"tasks": added, "wall_seconds": seconds, **({"methods": methods} if methods else {}),
+               **({"replaced": list(exp.replaced)} if exp.replaced else {})}
     manifest["sessions"] = [*history, session]
     manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
     return table, pd.concat([real, copies], ignore_index=True), manifest

@@ -24,7 +24,7 @@ def test_the_committed_detector_rows_are_computed_on_the_method_matrix():
     detector = [r for r in rows if r["track"] == "detector"]
     assert len(detector) == 11 and {r["results_digest"] for r in detector} == {digest}
     untuned = [r for r in rows if r["track"] == "stabilizer" and not json.loads(r.get("tuning") or "{}")]
-    assert len(untuned) == 35 and {r["results_digest"] for r in untuned} == {digest}
+    assert len(untuned) == 38 and {r["results_digest"] for r in untuned} == {digest}
     assert {r["n_seeds"] for r in detector} == {"10"}
     chance = [r for r in detector if r["name"] in ("random", "random-1", "random-20", "never", "always")]
     assert len(chance) == 5

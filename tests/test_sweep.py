@@ -290,6 +290,19 @@ def test_extend_adds_only_the_missing_tasks_and_equals_one_whole_run(tmp_path):
         refused = stabench(*common, *extra, "--out", str(grown), "--extend")
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
     assert folder_digest(grown) == before  # a refused extension changes nothing
+    # a method registered since and no new task: the extension runs that method's trials on the kept tasks only
+    rows, trials = pd.read_parquet(grown / "metrics.parquet"), pd.read_csv(grown / "trials.csv")
+    rows[rows.method != "no-update"].to_parquet(grown / "metrics.parquet", index=False)
+    trials[trials.method != "no-update"].to_csv(grown / "trials.csv", index=False)
+    proc = stabench(*common, "--tasks", f"{first},{second}", "--out", str(grown), "--extend")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{second} no-update" in proc.stderr and f"{second} baseline" not in proc.stderr
+    pd.testing.assert_frame_equal(pd.read_parquet(grown / "metrics.parquet"),
+                                  pd.read_parquet(whole / "metrics.parquet"))
+    pd.testing.assert_frame_equal(pd.read_csv(grown / "trials.csv").drop(columns="seconds"),
+                                  pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
+    last = json.loads((grown / "manifest.json").read_text())["sessions"][-1]
+    assert last["tasks"] == [] and last["methods"] == ["no-update"]
     trials = pd.read_csv(grown / "trials.csv")  # a trial of a method the registry no longer holds
     pd.concat([trials, trials.head(1).assign(method="retired")]).to_csv(grown / "trials.csv", index=False)
     refused = stabench(*common, "--tasks", f"{first},{second},hard-sample-shortcuts", "--out", str(grown), "--extend")

@@ -130,8 +130,9 @@ class MiniCritics(Stabilizer):
     critic_seed: int = 12345
 
     def model(self, model: nn.Module, spec: Mapping[str, Any]) -> nn.Module:
-        vocab, length = spec["model_config"]["vocab_size"], int(spec["answer_len"])
-        prompt_len = spec["model_config"]["n_positions"] - length  # the task sizes the policy for prompt ++ answer
+        config, length = spec["model_config"], int(spec["answer_len"])
+        positions = config.get("n_positions") or config["max_position_embeddings"]  # GPT-2's name, or Mixtral's
+        vocab, prompt_len = config["vocab_size"], positions - length  # the task sizes the policy for prompt ++ answer
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.critic_seed + int(spec.get("seed", 0)))
             self.critics = nn.ModuleList(TinyCritic(vocab, prompt_len, length) for _ in range(self.n_critics))

@@ -75,6 +75,10 @@ through `self.evaluate(compute, policy, ...)`, which the references that stop le
         """The network that samples this iteration's answers (an inference engine); None: the policy itself."""
         return None
 
+    def iterate(self, reward: RewardFn, prompts: torch.Tensor, sampler: nn.Module | None) -> TrainState:
+        """One trainer iteration; a task wraps it to set state that holds only inside the update."""
+        return self.trainer.iterate(reward, prompts, sampler=sampler)
+
     def row(self, state: TrainState, injected: bool) -> dict[str, float]:
         """The task's columns after one iteration (`step`, `return`, `entropy`, its ground truth, ...)."""
         raise NotImplementedError
@@ -83,7 +87,7 @@ through `self.evaluate(compute, policy, ...)`, which the references that stop le
         which = self.prompt_rng.integers(len(self.prompts), size=self.trainer.config.n_groups)
         after_onset = self.trainer.iteration >= self.budget.onset
         engine = self.sampler(injected, after_onset)
-        state = self.trainer.iterate(self.reward(injected, after_onset), self.prompts[which], sampler=engine)
+        state = self.iterate(self.reward(injected, after_onset), self.prompts[which], engine)
         row = self.row(state, injected)
         for name in self.diagnostics:
             row.update(DIAGNOSTICS[name](state))
