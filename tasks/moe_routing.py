@@ -36,8 +36,8 @@ time against the learner's 95%, so in the sampled batch a first digit 5 earns le
 Uncorrected GRPO credits the first digit with those failures and the learner's probability of the risky first
 digit falls (it ends near or below the policy frozen at onset). The control learns to choose the risky path.
 Rollout routing replay (`routing-replay`, R3: the learner's forwards use the engine's routes) trains the
-experts the engine actually runs, so the engine's completion rises to the learner's and the risky path pays in
-the batch again: it keeps the path and learns. Replaying the learner's own routes (`routing-replay-old`, R2)
+experts the engine actually runs, so the engine's completion rises to about the learner's and the risky path
+pays in the batch again: it keeps the path and learns. Replaying the learner's own routes (`routing-replay-old`, R2)
 changes nothing on-policy (the routes of pi_old are the learner's). Sequence-level truncated IS (`seq-tis`)
 also helps, less reliably (results/calibration.md).
 
@@ -45,13 +45,13 @@ Return (the true one): the learner's exact expected post-onset reward on `EVAL_P
 prompts, whose banned digits are 0 and 1; the rule does not generalize to unseen pairs at this size),
 `exact_reward` = mean over prompts of p5 c + (1 - p5) 0.65 with p5 the risky first digit's probability and c the
 probability that digits 2-6 avoid c after it (the learner's own routes), computed exactly by one forward over the
-tree of allowed continuations. Under routing replay the training-inference KL the learner sees is 0 by
-construction (it evaluates pi_old on the engine's routes), so the detector below is blind there.
-Evaluated every EVAL_EVERY = 3 iterations and at the last one (NaN between). Ground truth: its mean over the
-last 25% of the run below 0.82. Normalized return: floor the policy frozen at onset, ceiling the baseline's
-control, both averaged over calibration seeds 0-9 at the quick budget.
+tree of allowed continuations. Evaluated every EVAL_EVERY = 3 iterations and at the last one (NaN between). Ground
+truth: its mean over the last 25% of the run below 0.82. Normalized return: floor the policy frozen at onset,
+ceiling the baseline's control, both averaged over calibration seeds 0-9 at the quick budget.
 
-Detector: `engine_kl` above 0.1, verl's health warning (as on inference-mismatch), not tuned on any seed.
+Detector: `engine_kl` above 0.1, verl's health warning (as on inference-mismatch), not tuned on any seed. Under
+routing replay the training-inference KL the learner sees is 0 by construction (it evaluates pi_old on the
+engine's routes), so the detector is blind there.
 
 Settings and the seeds they were chosen on (prototypes of this design on the project's GRPO, seeds 0-9, or 0-3
 where said; the tables are in results/calibration.md's design notes). Before any RL, a flipped route had to
