@@ -370,6 +370,10 @@ class Experiment:
     # row of the method carries it. Kept out of the spec: the spec names the setting itself.
     tuning: dict[str, dict] = field(default_factory=dict)
 
+    def lacking(self) -> list[TrialSpec]:
+        """The planned trials the folder does not hold (every one, unless it is an extension)."""
+        return [t for t in self.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in self.present]
+
     @property
     def manifest(self) -> dict:
         return {
@@ -406,8 +410,7 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
         if stale:
             raise StabenchError(f"{out} holds trials this request no longer plans ({', '.join(stale[:3])}"
                                 f"{', ...' if len(stale) > 3 else ''}): rerun it whole")
-        lacking = [t for t in exp.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in exp.present]
-        if not lacking and not replace:  # neither a new task nor a method registered since
+        if not exp.lacking() and not replace:  # neither a new task nor a method registered since
             raise StabenchError(f"{out} already holds every requested trial: nothing to add")
         return exp
     if resume:
@@ -468,7 +471,7 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
     storage = str(exp.out.resolve())
     run, identities = exp.trials, exp.identities
     if exp.kept:  # what the request holds and the folder lacks: new tasks, and new methods on kept tasks
-        run = [t for t in exp.trials if (t.task, t.method, str(t.seed), cell_name(t.knobs)) not in exp.present]
+        run = exp.lacking()
         copied = {(task, cell, method) for task, method, _, cell in exp.present}
         identities = [i for i in exp.identities if i not in copied]
     started = time.time()

@@ -79,7 +79,6 @@ from stabench.baselines.tokens import lm_logits
 from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
 from stabench.tasks.worlds import digits
 from stabench.tasks.worlds.digits import (
-    BOS,
     HELDOUT_PROMPTS,
     N_ACTIONS,
     PROMPT_LEN,
@@ -96,7 +95,6 @@ from stabench.tasks.worlds.tokens import (
     RewardFn,
     WarmStart,
     answer_logits,
-    enumerate_answers,
     tiny_policy,
 )
 from torch import nn
@@ -212,32 +210,11 @@ warm_policy = WarmStart("inference-mismatch", _warm_up, _build)
 
 
 # --- Exact evaluation on the held-out prompts: a tree walk over the risky path's allowed continuations. ----
-def _tree() -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:
-    """Rows [BOS, a, b, RISKY, c1..c4] for every held-out prompt and every c in its allowed digits ** 4 (one
-    forward gives the first digit's distribution and the risky path's every allowed continuation)."""
-    rows, spans, allowed = [], [], []
-    start = 0
-    for p in HELDOUT_PROMPTS:
-        a, b = int(p[1]), int(p[2])
-        ok = torch.tensor([d for d in range(N_ACTIONS) if d not in (a, b)])
-        tails = ok[enumerate_answers(len(ok), ANSWER_LEN - 2)]
-        rows.append(torch.cat([torch.tensor([BOS, a, b, RISKY]).expand(len(tails), -1), tails], 1))
-        spans.append((start, start + len(tails)))
-        allowed.append(ok)
-        start += len(tails)
-    return torch.cat(rows), spans, allowed
-
-
-TREE, SPANS, ALLOWED = _tree()
-
-
-def completion(logp: torch.Tensor, ok: torch.Tensor) -> float:
-    """P(digits 2-6 all in `ok` | first digit RISKY), exact. `logp` [k ** 4, 5, N_ACTIONS]: row i is the i-th
-    prefix in ok ** 4 (`enumerate_answers` order), entry [i, t] the distribution of digit t + 2 after it."""
-    sub = logp[..., ok]  # [k ** 4, 5, k]
-    prefixes = enumerate_answers(len(ok), ANSWER_LEN - 2)
-    head = sub[:, :-1].gather(-1, prefixes[..., None]).squeeze(-1).sum(-1)
-    return float(torch.logsumexp(head + torch.logsumexp(sub[:, -1], -1), 0).exp())
+# Rows [BOS, a, b, RISKY, c1..c4] for every held-out prompt and every c in its allowed digits ** 4.
+TREE, SPANS, ALLOWED = digits.continuation_tree(
+    HELDOUT_PROMPTS, [[d for d in range(N_ACTIONS) if d not in (int(p[1]), int(p[2]))] for p in HELDOUT_PROMPTS],
+    RISKY, ANSWER_LEN,
+)
 
 
 STAT_KEYS = ("heldout_reward", "gt_risky_share", "gt_completion", "gt_engine_completion")
@@ -256,8 +233,8 @@ def heldout_stats_per_prompt(policy: nn.Module, temperature: float = TEMPERATURE
     own, engine = torch.log_softmax(rest, -1), torch.log_softmax(rest / temperature, -1)
     out = []
     for (s, e), ok in zip(SPANS, ALLOWED):
-        p5, c = float(first[s]), completion(own[s:e], ok)
-        values = (p5 * c + (1 - p5) * safe, p5, c, completion(engine[s:e], ok))
+        p5, c = float(first[s]), digits.completion(own[s:e], ok)
+        values = (p5 * c + (1 - p5) * safe, p5, c, digits.completion(engine[s:e], ok))
         out.append(dict(zip(STAT_KEYS, values)))
     return out
 

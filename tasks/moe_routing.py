@@ -81,7 +81,7 @@ from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Staben
 from stabench.tasks.worlds import digits
 from stabench.tasks.worlds.digits import BOS, N_ACTIONS, PROMPT_LEN, TRAIN_PROMPTS, WARMUP_BATCH, WARMUP_SEED, seeded
 from stabench.tasks.worlds.scaffold import GRPORun, OnsetKnobs
-from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn, WarmStart, enumerate_answers
+from stabench.tasks.worlds.tokens import PromptedAnswerEnv, RewardFn, WarmStart
 from torch import nn
 from torch.nn import functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -326,32 +326,11 @@ warm_policy = WarmStart("moe-routing", _warm_up, tiny_moe)
 
 
 # --- Exact evaluation: a tree walk over the risky path's allowed continuations. ----------------------------
-def _tree() -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:
-    """Rows [BOS, a, b, RISKY, c1..c4] for every evaluation prompt and every c in its allowed digits ** 4 (one
-    forward gives the first digit's distribution and every allowed continuation of the risky path)."""
-    rows, spans, allowed = [], [], []
-    start = 0
-    for p, c in zip(EVAL_PROMPTS, banned(EVAL_PROMPTS).tolist(), strict=True):
-        ok = torch.tensor([d for d in range(N_ACTIONS) if d != c])
-        tails = ok[enumerate_answers(len(ok), ANSWER_LEN - 2)]
-        rows.append(torch.cat([torch.tensor([BOS, int(p[1]), int(p[2]), RISKY]).expand(len(tails), -1), tails], 1))
-        spans.append((start, start + len(tails)))
-        allowed.append(ok)
-        start += len(tails)
-    return torch.cat(rows), spans, allowed
-
-
-TREE, SPANS, ALLOWED = _tree()
+# Rows [BOS, a, b, RISKY, c1..c4] for every evaluation prompt and every c in its allowed digits ** 4.
+TREE, SPANS, ALLOWED = digits.continuation_tree(
+    EVAL_PROMPTS, [[d for d in range(N_ACTIONS) if d != c] for c in banned(EVAL_PROMPTS).tolist()], RISKY, ANSWER_LEN
+)
 STAT_KEYS = ("exact_reward", "gt_risky_share", "gt_completion", "gt_engine_completion")
-
-
-def completion(logp: torch.Tensor, ok: torch.Tensor) -> float:
-    """P(digits 2-6 all in `ok` | first digit RISKY), exact. `logp` [k ** 4, 5, N_ACTIONS]: row i is the i-th
-    prefix in ok ** 4 (`enumerate_answers` order), entry [i, t] the distribution of digit t + 2 after it."""
-    sub = logp[..., ok]
-    prefixes = enumerate_answers(len(ok), ANSWER_LEN - 2)
-    head = sub[:, :-1].gather(-1, prefixes[..., None]).squeeze(-1).sum(-1)
-    return float(torch.logsumexp(head + torch.logsumexp(sub[:, -1], -1), 0).exp())
 
 
 def exact_stats(policy: TinyMoE, flip_margin: float = FLIP_MARGIN) -> dict[str, float]:
@@ -367,8 +346,8 @@ def exact_stats(policy: TinyMoE, flip_margin: float = FLIP_MARGIN) -> dict[str, 
     own, engine = torch.log_softmax(own[:, PROMPT_LEN:], -1), torch.log_softmax(engine[:, PROMPT_LEN:], -1)
     per_prompt = []
     for (s, e), ok in zip(SPANS, ALLOWED, strict=True):
-        p5, c = float(first[s]), completion(own[s:e], ok)
-        per_prompt.append((p5 * c + (1 - p5) * SAFE_PAY, p5, c, completion(engine[s:e], ok)))
+        p5, c = float(first[s]), digits.completion(own[s:e], ok)
+        per_prompt.append((p5 * c + (1 - p5) * SAFE_PAY, p5, c, digits.completion(engine[s:e], ok)))
     return dict(zip(STAT_KEYS, np.mean(per_prompt, 0).tolist(), strict=True))
 
 

@@ -18,6 +18,7 @@ from stabench.baselines.stabilizers.importance import SequenceTIS, TokenTIS
 from stabench.suite.api import StabenchError, Stabilizer
 from stabench.suite.diagnostics import engine_gap
 from stabench.tasks import inference_mismatch as im
+from stabench.tasks.worlds import digits
 from stabench.tasks.worlds.tokens import all_answers_logp, answer_logits, enumerate_answers, prefix_logp
 
 pytestmark = pytest.mark.smoke
@@ -44,7 +45,7 @@ def test_engine_gap_on_a_hand_computed_case() -> None:
 
 
 def test_the_rule_pays_the_risky_and_the_safe_path() -> None:
-    prompts = torch.tensor([[im.BOS, 1, 4]]).expand(4, -1)
+    prompts = torch.tensor([[digits.BOS, 1, 4]]).expand(4, -1)
     answers = torch.tensor([
         [5, 0, 2, 3, 0, 2],  # risky, completed: 1
         [5, 0, 2, 3, 0, 4],  # risky, a banned digit: 0
@@ -58,7 +59,7 @@ def test_the_rule_pays_the_risky_and_the_safe_path() -> None:
 def test_the_sampler_tempers_only_the_continuation_and_follows_the_learner() -> None:
     policy = im.warm_policy()
     sampler = im.ContinuationSampler(policy, temperature=3.0)
-    ids = torch.tensor([[im.BOS, 1, 4, 5, 0, 2]])
+    ids = torch.tensor([[digits.BOS, 1, 4, 5, 0, 2]])
     with torch.no_grad():
         z = policy(input_ids=ids).logits[..., : im.N_ACTIONS]
         mu = sampler(input_ids=ids).logits

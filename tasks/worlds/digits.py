@@ -169,3 +169,31 @@ def coverage_optimum() -> float:
     n_good = HELDOUT_CORRECT.sum(-1)
     uniform = torch.where(HELDOUT_CORRECT > 0, 1 / n_good[:, None], torch.zeros_like(HELDOUT_CORRECT))
     return float(coverage(uniform.log()).mean())
+
+
+# --- A first digit, then every allowed continuation: the tree two 6-digit tasks evaluate exactly. ------------
+def continuation_tree(prompts: torch.Tensor, allowed: list[list[int]], first: int,
+                      answer_len: int) -> tuple[torch.Tensor, list[tuple[int, int]], list[torch.Tensor]]:  # fmt: skip
+    """Rows [BOS, a, b, first, c_1 .. c_{answer_len - 2}] for every prompt and every continuation in its allowed
+    digits ** (answer_len - 2): one forward gives the first digit's distribution and the distribution of every
+    later digit along every allowed path. Returns the rows, each prompt's (start, end) span and its allowed digits."""
+    rows, spans, oks = [], [], []
+    start = 0
+    for p, digits in zip(prompts, allowed, strict=True):
+        ok = torch.tensor(digits)
+        tails = ok[enumerate_answers(len(ok), answer_len - 2)]
+        rows.append(torch.cat([torch.tensor([BOS, int(p[1]), int(p[2]), first]).expand(len(tails), -1), tails], 1))
+        spans.append((start, start + len(tails)))
+        oks.append(ok)
+        start += len(tails)
+    return torch.cat(rows), spans, oks
+
+
+def completion(logp: torch.Tensor, ok: torch.Tensor) -> float:
+    """P(every later digit in `ok` | the first digit), exact. `logp` [k ** m, m + 1, N_ACTIONS], one prompt's span of
+    `continuation_tree`: row i is the i-th prefix in ok ** m (`enumerate_answers` order), entry [i, t] the
+    distribution of the digit after the first t of that prefix."""
+    sub = logp[..., ok]  # [k ** m, m + 1, k]
+    prefixes = enumerate_answers(len(ok), logp.shape[1] - 1)
+    head = sub[:, :-1].gather(-1, prefixes[..., None]).squeeze(-1).sum(-1)
+    return float(torch.logsumexp(head + torch.logsumexp(sub[:, -1], -1), 0).exp())
