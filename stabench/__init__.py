@@ -20,6 +20,7 @@ import stabench.tasks  # noqa: F401  (registers the gymnasium environments)
 from stabench.suite import __version__
 from stabench.suite.api import (
     BATCH_SCHEMA,
+    BEHAVIOUR_POLICY,
     LOSS_SCHEMA,
     REFERENCE_METHODS,
     Budget,
@@ -57,8 +58,8 @@ def score(*folders: str | Path) -> dict[str, Any]:
 
 
 __all__ = [
-    "BATCH_SCHEMA", "BUILTIN_DETECTORS", "BUILTIN_STABILIZERS", "BUILTIN_TASKS", "LOSS_SCHEMA", "REFERENCE_METHODS",
-    "Budget", "Detector", "DetectorSpec", "Diverged", "Figure", "GroundTruth", "StabenchError", "Stabilizer", "Task",
-    "ThresholdDetector", "TrainState", "__version__", "get_task", "make_detector", "make_stabilizer", "names",
-    "register_task", "resolve_class", "run", "score",
+    "BATCH_SCHEMA", "BEHAVIOUR_POLICY", "BUILTIN_DETECTORS", "BUILTIN_STABILIZERS", "BUILTIN_TASKS", "LOSS_SCHEMA",
+    "REFERENCE_METHODS", "Budget", "Detector", "DetectorSpec", "Diverged", "Figure", "GroundTruth", "StabenchError",
+    "Stabilizer", "Task", "ThresholdDetector", "TrainState", "__version__", "get_task", "make_detector",
+    "make_stabilizer", "names", "register_task", "resolve_class", "run", "score",
 ]

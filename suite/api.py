@@ -173,6 +173,12 @@ BATCH_SCHEMA: dict[str, str] = {
 # reads the same keys and aggregates the same way.
 _PG = frozenset({"logp", "old_logp", "behaviour_logp", "anchor_logp", "advantages", "entropy", "mask",
                  "token_weight", "clip_low", "clip_high", "rewards", "actions"})
+# A capability, not a tensor: `behaviour_policy`, the runs' actions are sampled by something other than the learner at
+# pi_old (an inference engine, a lagged actor), so `behaviour_logp` can differ from `old_logp`. Where it does not,
+# the importance-sampling corrections compute the trainer's own term exactly and do not act. tool-PPO always samples
+# through its engine (its own temperature, a step-by-step forward); a GRPO, token-PPO or PPO task declares it
+# (`Task.provides`) when it has a sampler of its own.
+BEHAVIOUR_POLICY = "behaviour_policy"
 TRAINER_KEYS: dict[str, frozenset[str]] = {
     "ppo": _PG | {"values", "returns", "new_values", "dones", "obs"},
     "grpo": _PG | {"ref_logp", "kl_coef", "group", "prompts", "answers"},
@@ -184,6 +190,8 @@ TRAINER_KEYS: dict[str, frozenset[str]] = {
     # log-probs, no `advantages` or `kl_loss` hook.
     "dqn": frozenset({"obs", "actions", "rewards", "next_obs", "terminated", "td_target", "ref_obs"}),
 }
+# Capabilities every task of a trainer has (beside its batch keys; a task adds its own with `Task.provides`).
+TRAINER_CAPABILITIES: dict[str, frozenset[str]] = {"tool-ppo": frozenset({BEHAVIOUR_POLICY})}
 
 
 # The one loss report of every trainer, `TrainState.losses`: these keys (a trainer reports those `TRAINER_LOSSES`
@@ -297,8 +305,9 @@ class Stabilizer:
 
 
 def provided_keys(task: Task) -> frozenset[str]:
-    """The batch keys and capabilities a task's runs offer a stabilizer: its trainer's schema and its own."""
-    return TRAINER_KEYS.get(task.trainer, frozenset()) | frozenset(getattr(task, "provides", ()))
+    """The batch keys and capabilities a task's runs offer a stabilizer: its trainer's and its own."""
+    trainer = TRAINER_KEYS.get(task.trainer, frozenset()) | TRAINER_CAPABILITIES.get(task.trainer, frozenset())
+    return trainer | frozenset(getattr(task, "provides", ()))
 
 
 class Detector:

@@ -366,6 +366,9 @@ class Experiment:
     kept: tuple[str, ...] = ()  # an extension: the tasks whose rows the folder already holds (and keeps)
     replaced: tuple[str, ...] = ()  # an extension: the tasks the folder holds whose rows are dropped and run again
     present: frozenset[tuple[str, str, str, str]] = frozenset()  # and its trials: (task, method, seed, cell)
+    # an extension: (task, cell, method) the folder holds as real runs that the request now plans as identities
+    # (the method's `needs` narrowed since): their rows are dropped and the baseline's copied, as a whole run would
+    narrowed: tuple[tuple[str, str, str], ...] = ()
     # method name -> how `stabench tune` chose its setting (`M@tuned`): budget, tuning seeds, search; the leaderboard
     # row of the method carries it. Kept out of the spec: the spec names the setting itself.
     tuning: dict[str, dict] = field(default_factory=dict)
@@ -394,7 +397,8 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
     `extend`: the folder holds a finished experiment whose request differs from this one only by lacking some
     of its tasks; only the missing tasks' trials are to run (their rows do not depend on the other tasks').
     `replace`: tasks the folder holds whose rows are stale (the task changed); their rows are dropped and their
-    trials run again, as if they were missing."""
+    trials run again, as if they were missing. A method that no longer acts on a kept task (`narrowed`) has its
+    runs there replaced by copies of the baseline's, without running anything."""
     exp = Experiment(out, spec, *spec.plan())
     manifest_path = out / MANIFEST
     if extend:
@@ -404,13 +408,15 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
         have = pd.read_csv(out / TRIALS, keep_default_na=False, dtype=str)
         have = have[~have["task"].isin(replace)]
         exp.present = frozenset(zip(have["task"], have["method"], have["seed"], have["knobs"]))
+        ran = have[have["status"] != "identity"]
+        exp.narrowed = tuple(sorted(set(zip(ran["task"], ran["knobs"], ran["method"])) & set(exp.identities)))
         exp.tuning = json.loads(manifest_path.read_text()).get("tuning", {})  # checked readable above
         planned = {(t.task, t.method) for t in exp.trials} | {(task, m) for task, _, m in exp.identities}
         stale = sorted({f"{t} {m}" for t, m, _, _ in exp.present if (t, m) not in planned})
         if stale:
             raise StabenchError(f"{out} holds trials this request no longer plans ({', '.join(stale[:3])}"
                                 f"{', ...' if len(stale) > 3 else ''}): rerun it whole")
-        if not exp.lacking() and not replace:  # neither a new task nor a method registered since
+        if not exp.lacking() and not replace and not exp.narrowed:  # no new task, method or narrowed method
             raise StabenchError(f"{out} already holds every requested trial: nothing to add")
         return exp
     if resume:
@@ -468,54 +474,31 @@ def execute(exp: Experiment, address: str | None = None, num_cpus: int | None = 
 
     An extension (`exp.kept`) runs only the trials of the tasks the folder lacks, in a Tune folder of its own,
     and writes the joined table, trial list and manifest at the end (until then the folder is as it was)."""
-    storage = str(exp.out.resolve())
     run, identities = exp.trials, exp.identities
     if exp.kept:  # what the request holds and the folder lacks: new tasks, and new methods on kept tasks
         run = exp.lacking()
-        copied = {(task, cell, method) for task, method, _, cell in exp.present}
+        copied = {(task, cell, method) for task, method, _, cell in exp.present} - set(exp.narrowed)
         identities = [i for i in exp.identities if i not in copied]
+        for task, cell, method in exp.narrowed:
+            print(f"stabench: {method} no longer acts on {task}{f' ({cell})' if cell else ''}: its runs there "
+                  "become copies of the baseline's", file=sys.stderr)
     started = time.time()
     name = f"{TUNE_DIR}-extend-{exp.spec.config_hash()}" if exp.kept else TUNE_DIR
     if exp.replaced:  # the same request was extended before: a Tune folder of this session's own
         name += f"-replace-{int(started)}"
     tune_path = exp.out.resolve() / name
-    with RayCluster(address, num_cpus) as cluster:
-        exp.out.mkdir(parents=True, exist_ok=True)  # only now: a failed connection leaves nothing behind
-        if not resume and not exp.kept:
-            (exp.out / MANIFEST).write_text(json.dumps(exp.manifest, indent=2))
-        cpus = cluster.cpus()
-        where = f"the Ray cluster at {address}" if address else "a private local Ray"
-        adding = f" (adding {', '.join(t for t in exp.spec.tasks if t not in exp.kept)})" if exp.kept else ""
-        print(f"stabench: {len(run)} trials on {where} with {cpus} CPUs -> {exp.out}{adding}", file=sys.stderr)
-        trainable = tune.with_resources(_tune_trainable, {"cpu": 1})
-        # a resumed run's finished trials (a fresh run may reuse the Tune folder of an earlier extension)
-        done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet"))) if resume else 0
-        progress = ProgressCallback(len(run), already=done)
-        if resume and tune.Tuner.can_restore(str(tune_path)):
-            print(f"stabench: resuming, {done} of {len(run)} trials already finished", file=sys.stderr)
-            tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
-            # Tune restores the run config it pickled; give it this session's progress printer.
-            tuner._local_tuner.get_run_config().callbacks = [progress, *callbacks]  # noqa: SLF001
-        else:
-            grid = [asdict(t) for t in run]
-            tuner = tune.Tuner(
-                trainable,
-                param_space={"trial": tune.grid_search(grid), "curves": bool(callbacks)},
-                tune_config=tune.TuneConfig(max_concurrent_trials=cpus, reuse_actors=True),
-                run_config=tune.RunConfig(
-                    name=name,
-                    storage_path=storage,
-                    verbose=0,
-                    failure_config=tune.FailureConfig(max_failures=2),
-                    callbacks=[progress, *callbacks],
-                ),
-            )
-        with without_tune_logfiles():
-            results = tuner.fit()
+    if run:
+        results, retries = _fit(exp, run, tune_path, address, num_cpus, resume, callbacks)
+    else:  # an extension that only turns runs of narrowed methods into copies of the baseline's
+        results, retries = [], {}
     kept = pd.read_parquet(exp.out / METRICS) if exp.kept else None
     if kept is not None and exp.replaced:
         kept = kept[~kept["task_ref"].isin(exp.replaced)].reset_index(drop=True)
-    table, trials = collect(results, run, progress.retries, identities, kept)
+    if kept is not None and exp.narrowed:
+        narrowed = pd.Series(list(zip(kept["task_ref"], kept["cell"].fillna(""), kept["method_ref"]))).isin(
+            set(exp.narrowed))
+        kept = kept[~narrowed.to_numpy()].reset_index(drop=True)
+    table, trials = collect(results, run, retries, identities, kept)
     seconds = round(time.time() - started, 1)
     if exp.kept:
         table, trials, manifest = _join_extension(exp, table, trials, seconds)
@@ -553,6 +536,46 @@ def _export_curves(table: pd.DataFrame, out: Path) -> None:
           f"{out / curves.TENSORBOARD}", file=sys.stderr)
 
 
+def _fit(exp: Experiment, run: list[TrialSpec], tune_path: Path, address: str | None, num_cpus: int | None,
+         resume: bool, callbacks: tuple[Any, ...]) -> tuple[Any, dict[str, int]]:
+    """Run `run` through Ray Tune in `tune_path`: the results, and how often Tune restarted each trial."""
+    storage, name = str(tune_path.parent), tune_path.name
+    with RayCluster(address, num_cpus) as cluster:
+        exp.out.mkdir(parents=True, exist_ok=True)  # only now: a failed connection leaves nothing behind
+        if not resume and not exp.kept:
+            (exp.out / MANIFEST).write_text(json.dumps(exp.manifest, indent=2))
+        cpus = cluster.cpus()
+        where = f"the Ray cluster at {address}" if address else "a private local Ray"
+        adding = f" (adding {', '.join(t for t in exp.spec.tasks if t not in exp.kept)})" if exp.kept else ""
+        print(f"stabench: {len(run)} trials on {where} with {cpus} CPUs -> {exp.out}{adding}", file=sys.stderr)
+        trainable = tune.with_resources(_tune_trainable, {"cpu": 1})
+        # a resumed run's finished trials (a fresh run may reuse the Tune folder of an earlier extension)
+        done = len(list(tune_path.glob("*/checkpoint_*/rows.parquet"))) if resume else 0
+        progress = ProgressCallback(len(run), already=done)
+        if resume and tune.Tuner.can_restore(str(tune_path)):
+            print(f"stabench: resuming, {done} of {len(run)} trials already finished", file=sys.stderr)
+            tuner = tune.Tuner.restore(str(tune_path), trainable, resume_unfinished=True, resume_errored=True)
+            # Tune restores the run config it pickled; give it this session's progress printer.
+            tuner._local_tuner.get_run_config().callbacks = [progress, *callbacks]  # noqa: SLF001
+        else:
+            grid = [asdict(t) for t in run]
+            tuner = tune.Tuner(
+                trainable,
+                param_space={"trial": tune.grid_search(grid), "curves": bool(callbacks)},
+                tune_config=tune.TuneConfig(max_concurrent_trials=cpus, reuse_actors=True),
+                run_config=tune.RunConfig(
+                    name=name,
+                    storage_path=storage,
+                    verbose=0,
+                    failure_config=tune.FailureConfig(max_failures=2),
+                    callbacks=[progress, *callbacks],
+                ),
+            )
+        with without_tune_logfiles():
+            results = tuner.fit()
+    return results, progress.retries
+
+
 def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
                     seconds: float) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """The folder's rows and the new tasks' rows as one run would have written them (same order and columns);
@@ -560,6 +583,10 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     old_manifest = json.loads((exp.out / MANIFEST).read_text())
     old_trials = pd.read_csv(exp.out / TRIALS)
     old_trials = old_trials[~old_trials["task"].isin(exp.replaced)]
+    old_trials = old_trials.assign(knobs=old_trials["knobs"].fillna(""))
+    narrowed = pd.Series(list(zip(old_trials["task"], old_trials["knobs"], old_trials["method"]))).isin(
+        set(exp.narrowed)).to_numpy()
+    old_trials = old_trials[~(narrowed & (old_trials["status"] != "identity").to_numpy())]
     every = pd.concat([old_trials, trials], ignore_index=True)
     every["knobs"] = every["knobs"].fillna("")
     planned = {(t.task, t.method, t.seed, cell_name(t.knobs)): i for i, t in enumerate(exp.trials)}
@@ -573,9 +600,12 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     first = {"tasks": [*exp.kept, *exp.replaced], "wall_seconds": old_manifest.get("wall_seconds")}
     history = old_manifest.get("sessions") or [first]
     added = [t for t in exp.spec.tasks if t not in exp.kept]
-    methods = sorted(set(trials.loc[trials["task"].isin(exp.kept), "method"]))  # registered since, on kept tasks
+    turned = {(task, method) for task, _, method in exp.narrowed}
+    methods = sorted({m for t, m in zip(trials["task"], trials["method"])  # registered since, on kept tasks
+                      if t in exp.kept and (t, m) not in turned})
     session = {"tasks": added, "wall_seconds": seconds, **({"methods": methods} if methods else {}),
-               **({"replaced": list(exp.replaced)} if exp.replaced else {})}
+               **({"replaced": list(exp.replaced)} if exp.replaced else {}),
+               **({"narrowed": [f"{t} {m}" for t, m in sorted(turned)]} if turned else {})}
     manifest["sessions"] = [*history, session]
     manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
     return table, pd.concat([real, copies], ignore_index=True), manifest

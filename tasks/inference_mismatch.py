@@ -76,7 +76,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from stabench.baselines.tokens import lm_logits
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.api import (
+    BEHAVIOUR_POLICY,
+    Budget,
+    DetectorSpec,
+    Figure,
+    GroundTruth,
+    StabenchError,
+    Stabilizer,
+    Task,
+    TrainState,
+)
 from stabench.tasks.worlds import digits
 from stabench.tasks.worlds.digits import (
     HELDOUT_PROMPTS,
@@ -323,6 +333,7 @@ class InferenceMismatch(Task):
     detector = DetectorSpec(metric="engine_kl", threshold=0.1, above=True)
     diagnostics = ("engine_gap", "grad_norms")
     privileged = STAT_KEYS
+    provides = frozenset({BEHAVIOUR_POLICY})  # the sampler is not the learner (from onset, injected)
     # Floor: the policy frozen at onset, its exact post-onset return averaged over calibration seeds 0-9; ceiling:
     # the baseline's control's post-onset mean return on the same seeds. Both measured once and fixed (version 3).
     return_floor = 0.6792

@@ -83,7 +83,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from stabench.baselines.grpo import GRPOConfig
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.api import (
+    BEHAVIOUR_POLICY,
+    Budget,
+    DetectorSpec,
+    Figure,
+    GroundTruth,
+    StabenchError,
+    Stabilizer,
+    Task,
+    TrainState,
+)
 from stabench.tasks.worlds import digits
 from stabench.tasks.worlds.digits import BOS, N_ACTIONS, PROMPT_LEN, TRAIN_PROMPTS, WARMUP_BATCH, WARMUP_SEED, seeded
 from stabench.tasks.worlds.scaffold import GRPORun, OnsetKnobs
@@ -461,7 +471,7 @@ class MoERouting(Task):
     detector = DetectorSpec(metric="engine_kl", threshold=0.1, above=True)
     diagnostics = ("engine_gap", "grad_norms")
     privileged = STAT_KEYS[1:]
-    provides = frozenset({"route_replay"})
+    provides = frozenset({"route_replay", BEHAVIOUR_POLICY})  # the engine samples
     # Floor: the policy frozen at onset, its exact post-onset return averaged over calibration seeds 0-9; ceiling:
     # the baseline's control's post-onset mean return on the same seeds. Both measured once and fixed (version 2).
     return_floor = 0.7811

@@ -80,6 +80,7 @@ from stabench.baselines.models import sequential
 from stabench.baselines.ppo import PPO, PPOConfig
 from stabench.suite import scoring
 from stabench.suite.api import (
+    BEHAVIOUR_POLICY,
     Budget,
     DetectorSpec,
     Figure,
@@ -312,6 +313,7 @@ class ParallelStaleness(Task):
     detector = DetectorSpec(metric="clip_frac", threshold=0.25)
     diagnostics = ("behaviour_ratio",)
     privileged = ("actor_lag",)  # the injected lag is the ground truth of what was done to the run
+    provides = frozenset({BEHAVIOUR_POLICY})  # lagged actors sample
     # The policy frozen at onset: its exact (DP) return, mean over calibration seeds 0-9 (see the docstring).
     return_floor = 0.182
     return_ceiling = 1.0 - 0.9 * 7 / 30  # the room's optimum, exact: 0.79

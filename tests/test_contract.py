@@ -35,8 +35,10 @@ from conftest import TOY
 from scipy import stats
 from stabench.suite import registry, runner, scoring
 from stabench.suite.api import (
+    BEHAVIOUR_POLICY,
     LOSS_SCHEMA,
     ROLLOUT_TRAINERS,
+    TRAINER_CAPABILITIES,
     TRAINER_KEYS,
     TRAINER_LOSSES,
     StabenchError,
@@ -276,7 +278,62 @@ def test_applies_to_follows_needs() -> None:
         assert NeedsEnsemble().applies_to(task) == (task.id == "reward-hacking"), task.id
         assert registry.make_stabilizer("markovian-chunks").applies_to(task) == (task.id == "length-explosion")
         assert Stabilizer().applies_to(task)  # the baseline needs nothing
-        assert provided_keys(task) == TRAINER_KEYS[task.trainer] | task.provides
+        assert provided_keys(task) == (TRAINER_KEYS[task.trainer] | task.provides
+                                       | TRAINER_CAPABILITIES.get(task.trainer, frozenset()))
+
+
+IMPORTANCE = ("token-tis", "seq-tis", "token-mis", "seq-mis", "geo-mis", "turn-is")
+
+
+def test_importance_corrections_act_only_where_something_else_samples() -> None:
+    """Where the learner samples, q = pi_old and the corrections compute the trainer's own term: they do not act."""
+    for task in all_tasks():
+        elsewhere = BEHAVIOUR_POLICY in provided_keys(task)
+        assert elsewhere == (task.trainer == "tool-ppo" or BEHAVIOUR_POLICY in task.provides), task.id
+        for name in IMPORTANCE[:5]:
+            assert registry.make_stabilizer(name).applies_to(task) == elsewhere, (name, task.id)
+    wide = {t.id for t in all_tasks() if BEHAVIOUR_POLICY in provided_keys(t)}
+    assert {"inference-mismatch", "moe-routing", "parallel-staleness", "rare-tool-states"} <= wide
+    assert not {"entropy-collapse", "kl-estimator-bias", "dead-layers", "missing-critic"} & wide
+
+
+class SamplerWitness(Stabilizer):
+    """Records, for every update, whether the batch's actions were sampled by the learner at pi_old."""
+
+    def __init__(self) -> None:
+        self.same: list[bool] = []
+
+    def loss(self, terms, batch):
+        self.same.append(bool(torch.equal(batch["behaviour_logp"], batch["old_logp"])))
+        return terms
+
+
+@pytest.mark.parametrize("name", [n for n in registry.names("task")
+                                  if "behaviour_logp" in TRAINER_KEYS[registry.get_task(n).trainer]
+                                  and BEHAVIOUR_POLICY not in provided_keys(registry.get_task(n))])
+def test_a_task_that_does_not_declare_another_sampler_has_none(name: str) -> None:
+    """The declaration the corrections' applicability rests on is true: every update of a smoke run, healthy
+    phase and injected branch, sees behaviour_logp equal to old_logp bit for bit."""
+    torch.set_num_threads(1)
+    task = registry.get_task(name)
+    budget = task.budget("smoke")
+    witness = SamplerWitness()
+    run = task.build("smoke", 0, witness)
+    for it in range(budget.iterations):
+        run.step(it >= budget.onset)
+    assert witness.same and all(witness.same), name
+
+
+def test_a_declared_sampler_differs_from_the_learner() -> None:
+    """And the other way: on inference-mismatch the injected sampler's log-probs differ from pi_old after onset."""
+    torch.set_num_threads(1)
+    task = registry.get_task("inference-mismatch")
+    budget = task.budget("smoke")
+    witness = SamplerWitness()
+    run = task.build("smoke", 0, witness)
+    for it in range(budget.iterations):
+        run.step(it >= budget.onset)
+    assert all(witness.same[: budget.onset]) and not any(witness.same[budget.onset :])
 
 
 def test_every_builtin_stabilizer_applies_somewhere() -> None:

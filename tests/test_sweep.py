@@ -335,6 +335,36 @@ def test_extend_replace_runs_a_changed_task_again_and_keeps_the_others(tmp_path)
     assert sessions[-1]["tasks"] == [first] and sessions[-1]["replaced"] == [first]
 
 
+def test_extend_turns_the_runs_of_a_method_that_no_longer_acts_into_copies_of_the_baselines(tmp_path):
+    """A method whose `needs` narrowed since the folder was made (the importance corrections once ran on tasks where
+    the learner samples): the extension runs nothing, drops its runs there and copies the baseline's."""
+    first, second = "entropy-collapse", "degenerate-comparisons"
+    common = ("run", "--tier", "smoke", "--seeds", "1", "--cpus", "1", "--tasks", f"{first},{second}",
+              "--methods", "baseline,token-tis")
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    assert stabench(*common, "--out", str(whole)).returncode == 0
+    shutil.copytree(whole, out)
+    rows, trials = pd.read_parquet(out / "metrics.parquet"), pd.read_csv(out / "trials.csv")
+    assert set(trials.loc[trials.method == "token-tis", "status"]) == {"identity"}
+    mine = (rows.task == first) & (rows.method == "token-tis")  # as if it had acted there when the folder was made
+    rows.loc[mine, "acts"], rows.loc[mine, "return"] = True, 999.0
+    rows.to_parquet(out / "metrics.parquet", index=False)
+    ran = (trials.task == first) & (trials.method == "token-tis")
+    trials.loc[ran, "status"], trials.loc[ran, "seconds"] = "ok", 1.0
+    trials.to_csv(out / "trials.csv", index=False)
+    proc = stabench(*common, "--out", str(out), "--extend")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"token-tis no longer acts on {first}" in proc.stderr and f"token-tis no longer acts on {second}" \
+        not in proc.stderr and "trials on" not in proc.stderr  # nothing ran: no Ray was started
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "metrics.parquet"), pd.read_parquet(whole / "metrics.parquet"))
+    pd.testing.assert_frame_equal(pd.read_csv(out / "trials.csv").drop(columns="seconds"),
+                                  pd.read_csv(whole / "trials.csv").drop(columns="seconds"))
+    session = json.loads((out / "manifest.json").read_text())["sessions"][-1]
+    assert session["narrowed"] == [f"{first} token-tis"] and session["tasks"] == [] and "methods" not in session
+    refused = stabench(*common, "--out", str(out), "--extend")
+    assert refused.returncode == 2 and "nothing to add" in refused.stderr, refused.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("curves", "expected"), [(False, 0), (True, 3)])
 def test_a_trial_reports_progress_sparsely_unless_its_curves_are_logged(monkeypatch, curves, expected):
     """Each report holds the trial until the driver has taken it: without `--wandb` a quick trial reports only

@@ -7,7 +7,8 @@ surrogate against its anchor (`anchor_logp`), s = max(-A r, -A clip(r)) (`clippi
 tool-PPO r = pi_theta / q, what an asynchronous pipeline that reuses the stored log-probs computes; in GRPO
 and token-PPO r = pi_theta / pi_old, the learner's recomputed log-probs, so a sampler that differs from the
 learner (an inference engine) goes uncorrected. Where the learner sampled, q = pi_old and the corrections
-below reduce to the trainer's term.
+below reduce to the trainer's term: they act only on tasks that provide `behaviour_policy` (`suite.api`; tool-PPO's
+engine, and the tasks with a sampler of their own), and elsewhere their runs are the baseline's.
 
 - `token-tis` (decoupled PPO, Hilton et al. 2022; verl's token-level truncated importance sampling): the
   trust region around pi_old, the off-policyness corrected by a detached, truncated weight per action,
@@ -54,12 +55,12 @@ from typing import Any
 import torch
 from ray import tune
 from stabench.baselines.stabilizers.clipping import POLICY_KEYS, policy_term, token_weighted_sum
-from stabench.suite.api import Stabilizer
+from stabench.suite.api import BEHAVIOUR_POLICY, Stabilizer
 
 
 class TokenTIS(Stabilizer):
     name = "token-tis"
-    needs = POLICY_KEYS | {"old_logp", "behaviour_logp"}
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", BEHAVIOUR_POLICY}  # where the learner sampled: identity
     max_weight: float = 2.0  # C
     search_space = {"max_weight": tune.loguniform(1.0, 10.0)}  # C: from no up-weighting to a loose cap
 
@@ -137,7 +138,7 @@ def turn_size(turn: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 class TurnLevelIS(Stabilizer):
     name = "turn-is"
-    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "turn", "mask"}
+    needs = POLICY_KEYS | {"old_logp", "behaviour_logp", "turn", "mask", BEHAVIOUR_POLICY}
     max_weight: float = 2.0  # C
     search_space = {"max_weight": tune.loguniform(1.0, 10.0)}
     geometric: bool = False  # True: the turn weight is the geometric mean of the token ratios (SORL's turn ratio)
