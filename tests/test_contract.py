@@ -308,12 +308,9 @@ class SamplerWitness(Stabilizer):
         return terms
 
 
-@pytest.mark.parametrize("name", [n for n in registry.names("task")
-                                  if "behaviour_logp" in TRAINER_KEYS[registry.get_task(n).trainer]
-                                  and BEHAVIOUR_POLICY not in provided_keys(registry.get_task(n))])
-def test_a_task_that_does_not_declare_another_sampler_has_none(name: str) -> None:
-    """The declaration the corrections' applicability rests on is true: every update of a smoke run, healthy
-    phase and injected branch, sees behaviour_logp equal to old_logp bit for bit."""
+def witnessed(name: str) -> tuple[list[bool], int]:
+    """A smoke run of the task (healthy phase, then the injected branch) seen by a `SamplerWitness`: its record,
+    one entry per update, and the onset."""
     torch.set_num_threads(1)
     task = registry.get_task(name)
     budget = task.budget("smoke")
@@ -321,19 +318,23 @@ def test_a_task_that_does_not_declare_another_sampler_has_none(name: str) -> Non
     run = task.build("smoke", 0, witness)
     for it in range(budget.iterations):
         run.step(it >= budget.onset)
-    assert witness.same and all(witness.same), name
+    return witness.same, budget.onset
+
+
+@pytest.mark.parametrize("name", [n for n in registry.names("task")
+                                  if "behaviour_logp" in TRAINER_KEYS[registry.get_task(n).trainer]
+                                  and BEHAVIOUR_POLICY not in provided_keys(registry.get_task(n))])
+def test_a_task_that_does_not_declare_another_sampler_has_none(name: str) -> None:
+    """The declaration the corrections' applicability rests on is true: every update of a smoke run, healthy
+    phase and injected branch, sees behaviour_logp equal to old_logp bit for bit."""
+    same, _ = witnessed(name)
+    assert same and all(same), name
 
 
 def test_a_declared_sampler_differs_from_the_learner() -> None:
     """And the other way: on inference-mismatch the injected sampler's log-probs differ from pi_old after onset."""
-    torch.set_num_threads(1)
-    task = registry.get_task("inference-mismatch")
-    budget = task.budget("smoke")
-    witness = SamplerWitness()
-    run = task.build("smoke", 0, witness)
-    for it in range(budget.iterations):
-        run.step(it >= budget.onset)
-    assert all(witness.same[: budget.onset]) and not any(witness.same[budget.onset :])
+    same, onset = witnessed("inference-mismatch")
+    assert all(same[:onset]) and not any(same[onset:])
 
 
 def test_every_builtin_stabilizer_applies_somewhere() -> None:
