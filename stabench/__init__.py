@@ -22,6 +22,7 @@ from stabench.suite.api import (
     BATCH_SCHEMA,
     BEHAVIOUR_POLICY,
     LOSS_SCHEMA,
+    POLICY_REUSE,
     REFERENCE_METHODS,
     Budget,
     Detector,
@@ -59,7 +60,7 @@ def score(*folders: str | Path) -> dict[str, Any]:
 
 __all__ = [
     "BATCH_SCHEMA", "BEHAVIOUR_POLICY", "BUILTIN_DETECTORS", "BUILTIN_STABILIZERS", "BUILTIN_TASKS", "LOSS_SCHEMA",
-    "REFERENCE_METHODS", "Budget", "Detector", "DetectorSpec", "Diverged", "Figure", "GroundTruth", "StabenchError",
-    "Stabilizer", "Task", "ThresholdDetector", "TrainState", "__version__", "get_task", "make_detector",
-    "make_stabilizer", "names", "register_task", "resolve_class", "run", "score",
+    "POLICY_REUSE", "REFERENCE_METHODS", "Budget", "Detector", "DetectorSpec", "Diverged", "Figure", "GroundTruth",
+    "StabenchError", "Stabilizer", "Task", "ThresholdDetector", "TrainState", "__version__", "get_task",
+    "make_detector", "make_stabilizer", "names", "register_task", "resolve_class", "run", "score",
 ]

@@ -179,6 +179,13 @@ _PG = frozenset({"logp", "old_logp", "behaviour_logp", "anchor_logp", "advantage
 # through its engine (its own temperature, a step-by-step forward); a GRPO, token-PPO or PPO task declares it
 # (`Task.provides`) when it has a sampler of its own.
 BEHAVIOUR_POLICY = "behaviour_policy"
+# A capability, not a tensor: `policy_reuse`, some update of an iteration sees a ratio r = pi_theta / anchor other than
+# 1: the trainer takes several optimizer steps on each batch (epochs x minibatches > 1), or forms its ratio against a
+# sampler other than the learner. Where neither holds (one on-policy step per batch: r = 1 exactly), an objective that
+# only reshapes the ratio (CISPO, GSPO, SAPO, KL-Cov: `baselines/stabilizers/objectives.py`, `entropy.py`) has the
+# trainer's own gradient and does not act. PPO, token-PPO and tool-PPO reuse every batch; a GRPO task declares it
+# (`Task.provides`) when its config takes more than one step per batch.
+POLICY_REUSE = "policy_reuse"
 TRAINER_KEYS: dict[str, frozenset[str]] = {
     "ppo": _PG | {"values", "returns", "new_values", "dones", "obs"},
     "grpo": _PG | {"ref_logp", "kl_coef", "group", "prompts", "answers"},
@@ -191,7 +198,11 @@ TRAINER_KEYS: dict[str, frozenset[str]] = {
     "dqn": frozenset({"obs", "actions", "rewards", "next_obs", "terminated", "td_target", "ref_obs"}),
 }
 # Capabilities every task of a trainer has (beside its batch keys; a task adds its own with `Task.provides`).
-TRAINER_CAPABILITIES: dict[str, frozenset[str]] = {"tool-ppo": frozenset({BEHAVIOUR_POLICY})}
+TRAINER_CAPABILITIES: dict[str, frozenset[str]] = {
+    "ppo": frozenset({POLICY_REUSE}),  # update_epochs x num_minibatches steps per rollout (every PPO task: > 1)
+    "token-ppo": frozenset({POLICY_REUSE}),  # epochs x minibatches (default 2 x 2)
+    "tool-ppo": frozenset({BEHAVIOUR_POLICY, POLICY_REUSE}),  # its engine samples; epochs per rollout (default 4)
+}
 
 
 # The one loss report of every trainer, `TrainState.losses`: these keys (a trainer reports those `TRAINER_LOSSES`
@@ -314,12 +325,23 @@ class Detector:
     """A streaming rule over one run's diagnostics: `update` sees one row at a time, in order.
 
     The row a detector receives is what a practitioner watching the run would see (`suite.detectors.
-    visible_row`): `iteration`, `step` and every metric and diagnostic column the task's run logs, with
-    missing values as NaN. Never in it: the true return `return`, every `gt_*` column, the task's
-    ground-truth metric, the columns the task lists in `Task.privileged`, the other detectors' alarms,
-    and the run's bookkeeping (task, method, seed, variant, phase, status, divergence marker). A
-    detector cannot tell an injected branch from its control except through the diagnostics themselves.
-    `for_task` may read the task's declared pairing (`Task.detector`) and the tier's budget (its onset).
+    visible_row`): `iteration`, `step` and the task's visible diagnostics (`suite.visibility`: the columns the
+    task's baseline fills, the same set whatever method runs, missing values as NaN). Never in it: the true
+    return `return`, every `gt_*` column, the task's ground-truth metric, the columns the task lists in
+    `Task.privileged`, the other detectors' alarms, the run's bookkeeping (task, method, seed, variant, phase,
+    status, divergence marker), and configuration columns (settings such as the step size, or an injected
+    environment's own parameters, `Task.configuration`), nor a column only some methods add. A detector cannot
+    tell an injected branch from its control, or one method from another, except through the diagnostics.
+    `for_task` may read the task's declared pairing (`Task.detector`) and the tier's budget (its onset); a
+    built-in learns "healthy" only from the pre-onset rows (the first `budget.onset` rows it receives).
+
+    A learned detector overrides `fit` (a classmethod) and `load`. The harness (`suite.crossfit`) calls
+    `fit(rows, task, budget)` with the visible rows of training runs, plus `run` (an integer per run) and `label`
+    (1: an injected run that failed; 0: a run that stayed healthy, control or injected), and hands what it returns
+    to `load` of each fresh detector before its first `update`. It is cross-fitted: the runs a detector scores were
+    never in its `fit` (K-fold over seeds crossed with leave-one-method-out: fitted on the other methods' runs on
+    the seeds outside the scored fold), so recognizing a method earns nothing. The state must not hold a reference
+    to `rows`; a learned detector is scored by `stabench score DIR --detector ...`, not recorded by `stabench run`.
     """
 
     name: ClassVar[str] = "detector"
@@ -328,6 +350,15 @@ class Detector:
     def for_task(cls, task: Task, budget: Budget) -> Detector:
         """A fresh detector for one run of `task` at a tier; override to read the task's declared pairing."""
         return cls()
+
+    @classmethod
+    def fit(cls, rows: pd.DataFrame, task: Task, budget: Budget) -> Any:
+        """A learned detector's fit step: a state learned from the training runs' `rows` (see above; possibly
+        empty). Not overridden: the detector is not learned."""
+        return None
+
+    def load(self, state: Any) -> None:
+        """Receive the state `fit` returned, before the first `update` (learned detectors)."""
 
     def update(self, row: Mapping[str, float]) -> bool:
         """Return True to raise an alarm at this row."""
@@ -380,7 +411,7 @@ class Task:
     budgets: ClassVar[Mapping[str, Budget]]
     ground_truth: ClassVar[GroundTruth]
     matched_fix: ClassVar[str]
-    methods: ClassVar[tuple[str, ...]]  # default methods of a sweep: baseline, the fix, named non-fixes
+    methods: ClassVar[tuple[str, ...]]  # named methods: baseline, the fix, named non-fixes (the matrix compares them)
     detector: ClassVar[DetectorSpec]
     diagnostics: ClassVar[tuple[str, ...]]  # diagnostic columns every row carries
     return_floor: ClassVar[float]  # fixed per task version: 0 = the policy frozen at onset, after onset ...
@@ -389,6 +420,11 @@ class Task:
     # (a held-out gold score, an exact quantity the practitioner cannot measure). A task that wants to
     # expose the training reward it observes adds its own column (for example `reward_observed`).
     privileged: ClassVar[tuple[str, ...]] = ()
+    # What a detector reads (`suite.visibility`): `visible`, the task's diagnostic columns (default: the built-ins'
+    # schema measured on the committed results, for a plugin every column not hidden); `configuration`, columns
+    # that hold settings rather than measurements (hidden, beside `suite.visibility.CONFIGURATION`).
+    visible: ClassVar[tuple[str, ...]] = ()
+    configuration: ClassVar[tuple[str, ...]] = ()
     experimental: ClassVar[bool] = False
     # Batch keys and model capabilities this task adds to its trainer's schema (`Stabilizer.needs`): for
     # example a reward-model ensemble's predictions, or a policy that can bound its context.
@@ -446,6 +482,14 @@ class Task:
         if onset is None or tier == "smoke":
             return base
         return Budget(base.iterations, onset, base.seeds, base.report_every)
+
+    def default_methods(self) -> tuple[str, ...]:
+        """What a sweep runs when no method is named: the baseline, the matched fix and both references, the runs a
+        row is scored against. The task's other named methods (`methods`: plain guards, alternative fixes) run in the
+        method matrix (`--matrix`, 10 seeds, where the paper compares them) or when named with `--methods`; this
+        keeps every default task at 5 quick seeds within the quick tier's 10 minutes (bench/RESULTS.md, row 4)."""
+        named = [m for m in self.methods if m in ("baseline", self.matched_fix)]
+        return tuple(dict.fromkeys(("baseline", *named, *REFERENCE_METHODS)))
 
     def role(self, method: str) -> str:
         if method == "baseline":

@@ -11,6 +11,10 @@ task:
 Each check is reported on its own, so a task that misses says where. The failure-rate checks (`RATE_CHECKS`)
 are the ones a fresh-seed run must pass too: the return checks read a floor and a ceiling fixed on the
 calibration seeds, and on other seeds the policy at onset, and so what freezing it earns, differs.
+
+Every failure rate is printed with its exact (Clopper-Pearson) 95% binomial interval, and each rate check with
+its margin in seeds (`spare`): how many more runs could turn the other way before the check misses. A margin of
+0 is a verdict within one seed of the bar, which another machine or other seeds can flip (`thin`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scipy.stats import binomtest
 from stabench.suite.api import REFERENCE_METHODS
 
 
@@ -38,6 +43,52 @@ RATE_CHECKS = ("references fail", "baseline fails", "control healthy", "fix help
 
 def _finite(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(float(value)) else math.nan
+
+
+def binomial_interval(failed: int, runs: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a failure rate of `failed` in `runs`; NaNs without runs."""
+    if runs <= 0:
+        return math.nan, math.nan
+    ci = binomtest(int(failed), int(runs)).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
+
+
+def rate_text(failed: int, runs: int) -> str:
+    """`8/10 [0.44, 0.97]`: the count and its 95% binomial interval."""
+    low, high = binomial_interval(failed, runs)
+    return f"{failed}/{runs} [{low:.2f}, {high:.2f}]" if runs else "-"
+
+
+def _at_least(failed: int, runs: int, share: float) -> int:
+    """Spare seeds of `failed / runs >= share`: how many failures could turn healthy before it misses."""
+    return failed - math.ceil(share * runs - 1e-9)
+
+
+def _at_most(failed: int, runs: int, share: float) -> int:
+    """Spare seeds of `failed / runs <= share`."""
+    return math.floor(share * runs + 1e-9) - failed
+
+
+def margins(rows: dict[str, dict], bar: Bar = BAR) -> dict[str, int | None]:
+    """Per rate check, its margin in seeds (negative: missed by that many; None: the run lacks the methods)."""
+    base, fix = rows.get("baseline"), rows.get("matched-fix")
+    refs = [rows[m] for m in REFERENCE_METHODS if m in rows]
+    counted = all("runs" in r for r in [base, fix, *refs] if r is not None)
+    if not counted:
+        return dict.fromkeys(RATE_CHECKS)
+    out: dict[str, int | None] = {
+        "references fail": (min(_at_least(r["failed_runs"], r["runs"], bar.reference_min_failure) for r in refs)
+                            if len(refs) == len(REFERENCE_METHODS) else None),
+        "baseline fails": (_at_least(base["failed_runs"], base["runs"], bar.baseline_min_failure)
+                           if base else None),
+        "control healthy": (_at_most(base["control_failed_runs"], base["control_runs"], bar.control_max_failure)
+                            if base else None),
+        "fix helps": None,
+    }
+    if base and fix:
+        gap = (base["failed_runs"] - fix["failed_runs"]) - math.ceil(bar.fix_min_gap * fix["runs"] - 1e-9)
+        out["fix helps"] = min(_at_most(fix["failed_runs"], fix["runs"], bar.fix_max_failure), gap)
+    return out
 
 
 def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
@@ -81,6 +132,14 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
             "fix_return": fix["normalized_return"] if fix else math.nan,
             "reference_failure": min((r["failure_rate"] for r in refs), default=math.nan),
             "reference_return": max((_finite(r["normalized_return"]) for r in refs), default=math.nan),
+            "counts": {name: (r["failed_runs"], r["runs"]) for name, r in
+                       (("baseline", base), ("control", None if base is None else
+                                             {"failed_runs": base.get("control_failed_runs", 0),
+                                              "runs": base.get("control_runs", 0)}),
+                        ("fix", fix), *((m, rows.get(m)) for m in REFERENCE_METHODS))
+                       if r is not None and "runs" in r},
+            "margins": (spare := margins(rows, bar)),
+            "thin": sorted(name for name, m in spare.items() if m == 0),
             "checks": checks,
             "meets_bar": all(v is True for v in checks.values()),
             "meets_rate_checks": all(checks[name] is True for name in RATE_CHECKS),
@@ -89,7 +148,24 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
 
 
 def format_markdown(rows: list[dict]) -> str:
-    """The verdicts as one Markdown table (a check that failed is named in the last column)."""
+    """The verdicts as Markdown: one table of rates and checks (a check that failed is named), then one of the
+    failure counts with their 95% binomial intervals and each rate check's margin in seeds."""
+    return _verdict_table(rows) + "\n" + _margin_table(rows)
+
+
+def _margin_table(rows: list[dict]) -> str:
+    names = ["baseline", "control", "fix", *REFERENCE_METHODS]
+    lines = ["| task | " + " | ".join(f"{n} failed [95% CI]" for n in names) + " | spare seeds (" +
+             ", ".join(RATE_CHECKS) + ") | within one seed of the bar |", "|" + "---|" * (len(names) + 3)]
+    for r in rows:
+        counts = r.get("counts", {})
+        cells = [rate_text(*counts[n]) if n in counts else "-" for n in names]
+        spare = ", ".join("-" if r["margins"].get(c) is None else str(r["margins"][c]) for c in RATE_CHECKS)
+        lines.append(f"| {r['task']} | " + " | ".join(cells) + f" | {spare} | {', '.join(r['thin']) or 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _verdict_table(rows: list[dict]) -> str:
     lines = ["| task | baseline failed | control failed | control return | fix | fix failed | fix return | "
              "references failed (min) | references return (max) | bar | failure-rate checks |", "|" + "---|" * 11]
     for r in rows:

@@ -63,9 +63,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         )
     print("stabilizers (methods), and the tasks where each acts (elsewhere it scores as the baseline):")
     tasks = {n: registry.get_task(n) for n in registry.names("task")}
+    from stabench.baselines.stabilizers import verl_losses
     from stabench.suite.tune import describe_space
 
-    for name in registry.names("stabilizer"):
+    verl = [f"{verl_losses.VERL_PREFIX}{n}" for n in verl_losses.registered_names()]  # verl's registered losses
+    for name in [*registry.names("stabilizer"), *verl]:
         cls = registry.resolve_class("stabilizer", name)
         stabilizer = cls()
         acts = [n for n, t in tasks.items() if stabilizer.applies_to(t)]
@@ -73,6 +75,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"  {name:<22} {where}")
         if describe_space(cls):  # what `stabench tune` searches
             print(f"  {'':<22} settings: {describe_space(cls)}")
+    if not verl:
+        print(f"  verl:NAME               verl's policy losses: not installed ({verl_losses.INSTALL_HINT})")
     print("detectors:")
     for name in registry.names("detector"):
         print(f"  {name}")
@@ -123,7 +127,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"written: {folder / tune.RECORD}, {folder / tune.HISTORY}")
     plain = registry.split_setting(args.method)[0]
     ref = f"{plain}@tuned" if folder == tune.TUNING_ROOT / record["method"] else f"{plain}@tuned={folder}"
-    what = f"--methods baseline,{ref}" if not registry.is_reference(plain) else f"--methods baseline --stabilizer {ref}"
+    controls = "baseline,no-update,frozen-at-onset"  # submit scores a row only beside its own run's controls
+    what = (f"--methods {controls},{plain},{ref}" if not registry.is_reference(plain)  # and its default beside it
+            else f"--methods {controls} --stabilizer {plain} --stabilizer {ref}")
     print(f"next, on the scoring seeds: stabench run --tier {record['tier']} --seeds 10 {what}"
           f" --out results/runs/tuned-{record['method']}")
     return 0
@@ -138,6 +144,13 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     print(f"{runs} TensorBoard runs -> {path}", file=sys.stderr)
     print(f"tensorboard --logdir {path}")
     return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Run detectors over a real training run's logs (suite/watch.py): alarms on stdout, notes on stderr."""
+    from stabench.suite import watch
+
+    return watch.command(args)
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -184,6 +197,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    if args.replicate or args.tasks or args.seeds is not None:  # re-run the folder's own trials here (replicate.py)
+        from stabench.suite import replicate
+
+        return replicate.command(args)
     from stabench.suite import leaderboard
 
     checks = []
@@ -202,6 +219,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     notes: list[str] = []
     problems = leaderboard.verify(Path(args.leaderboard), [Path(d) for d in args.dirs], args.detector, notes)
     for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    for note in leaderboard.machine_notes(rows):  # a row made on another machine than the built-in rows: no mismatch
         print(f"note: {note}", file=sys.stderr)
     for problem in problems:
         print(f"mismatch: {problem}", file=sys.stderr)
@@ -283,6 +302,37 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm_start(args: argparse.Namespace) -> int:
+    """The built-in warm starts and whether each shipped file matches its declared sha256 (exit 1 if one does
+    not); with --retrain, train the named ones again and write their files (the maintainer's command)."""
+    import importlib
+
+    tokens = importlib.import_module("stabench.tasks.worlds.tokens")  # suite never imports the tasks statically
+    starts = tokens.builtin_warm_starts()
+    unknown = [n for n in args.names if n not in starts]
+    if unknown:
+        raise StabenchError(f"unknown warm start {', '.join(unknown)}; known: {', '.join(starts)}")
+    if args.retrain and not args.names:
+        raise StabenchError("warm-start: name the warm starts to retrain (stabench warm-start --retrain NAME ...)")
+    bad = 0
+    if not args.retrain:
+        print(f"the built-in warm starts, in {tokens.shipped_dir()}:")
+    for name in args.names or starts:
+        start = starts[name]
+        if args.retrain:
+            sha = start.retrain()
+            same = "; the declaration already says so" if sha == start.sha256 else ""
+            print(f"{name} {sha}")
+            print(f'  sha256="{sha}",  # declare it in WarmStart("{name}", ...) at {start.where()}{same}', flush=True)
+            continue
+        found = start.file_sha256()
+        status = ("no sha256 declared" if start.sha256 is None else "MISSING" if found is None
+                  else "matches" if found == start.sha256 else f"CHANGED (the file's sha256 is {found})")
+        bad += status != "matches"
+        print(f"  {name:<28} {start.file.name:<40} {start.sha256 or '-':<64} {status}")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stabench", description="Controlled experiments for RL training stability.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -341,6 +391,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the folder of TensorBoard runs (default: DIR/tensorboard; replaced whole)")
     p.set_defaults(fn=cmd_tensorboard)
 
+    p = sub.add_parser("watch", help="run detectors over a real training run's logs (TensorBoard, CSV, JSONL)")
+    p.add_argument("logdir", metavar="LOGDIR",
+                   help="a folder of TensorBoard event files (one run), or a CSV or JSONL history (a W&B export)")
+    p.add_argument("--detector", action="append",
+                   help="a detector: built-in name, entry point or FILE.py:Class (repeatable; default: the suite's "
+                        "default detectors that read a diagnostic)")
+    p.add_argument("--format", choices=("tensorboard", "csv", "jsonl"), help="default: from LOGDIR")
+    p.add_argument("--names", choices=("verl", "trl", "stabench", "auto"), default="auto",
+                   help="whose metric names the log uses (default: auto)")
+    p.add_argument("--metric", action="append", metavar="NAME[:above|below]",
+                   help="a diagnostic to watch, with the side on which it fails (repeatable; default: every "
+                        "diagnostic of the log with a known side)")
+    p.add_argument("--threshold", action="append", metavar="NAME=VALUE",
+                   help="the fixed threshold the `threshold` detector uses on a watched diagnostic (repeatable)")
+    p.add_argument("--warmup", type=int, default=10, help="values of each diagnostic that calibrate healthy "
+                                                          "(default 10)")
+    p.add_argument("--follow", action="store_true", help="tail a live run until Ctrl-C: read the log again every "
+                                                         "--interval seconds, feed only the new steps")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between reads with --follow (default 10)")
+    p.add_argument("--max-polls", type=int, metavar="N", help="with --follow: stop after N reads of the log")
+    p.set_defaults(fn=cmd_watch)
+
     p = sub.add_parser("score", help="score a finished run folder (or several, as one table)")
     p.add_argument("dir", nargs="+", help="the --out folder of a `stabench run` (several: their rows joined)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -386,8 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also re-run each row's method and the baseline on K seeds drawn now (printed), and say "
                         "whether the failure-rate verdicts and the aggregate's interval agree with the row")
     p.add_argument("--seed-start", type=int, help="with --fresh: the first of the K seeds (repeat a printed check)")
-    p.add_argument("--address", help="with --fresh: an existing Ray cluster HOST:PORT (default: a private local Ray)")
-    p.add_argument("--cpus", type=int, help="with --fresh: CPUs of the local Ray (default: all)")
+    p.add_argument("--replicate", action="store_true",
+                   help="re-run DIR's trials on this machine and compare: identical rows on the same machine (its "
+                        "fingerprint), else within the declared tolerance (README: Replicating a row)")
+    p.add_argument("--tasks", type=_csv, help="with --replicate: only these tasks (default: every task DIR holds)")
+    p.add_argument("--seeds", metavar="SPEC",
+                   help="with --replicate: only these seeds, like 0-2 or 0,3,7 (default: every seed DIR holds)")
+    p.add_argument("--address", help="with --fresh or --replicate: an existing Ray cluster HOST:PORT (default: a "
+                                     "private local Ray)")
+    p.add_argument("--cpus", type=int, help="with --fresh or --replicate: CPUs of the local Ray (default: all)")
     p.add_argument("--leaderboard", default=board, help=f"the leaderboard file (default: {board})")
     p.set_defaults(fn=cmd_verify)
 
@@ -400,6 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the rows in Hugging Face's model-index format (evaluation results) to OUT "
                            "(.yaml, .yml or .json)")
     p.set_defaults(fn=cmd_leaderboard)
+
+    p = sub.add_parser("warm-start", help="check the built-in warm starts' shipped files against their declared "
+                                          "sha256; --retrain NAME trains one again (maintainers)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="warm starts (default: all of them)")
+    p.add_argument("--retrain", action="store_true",
+                   help="train NAME again with its own training code (one thread), write its file, print the sha256 "
+                        "to declare")
+    p.set_defaults(fn=cmd_warm_start)
     return parser
 
 

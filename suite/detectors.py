@@ -3,7 +3,11 @@
 Each detector reads the diagnostic its task pairs with detectors (`Task.detector.metric`) unless it is
 given another. Missing values (NaN) never raise an alarm and do not update the detector's state.
 Warm-up windows are counted in rows seen with a finite value; a detector learns "healthy" from the
-first `warmup` of them (by default half the tier's onset), never from the onset itself.
+first `warmup` of them (by default half the tier's onset, at least 3), and only from rows before the onset: the
+warm-up is capped at the onset (the first `onset` rows a detector receives are the pre-onset iterations, one row
+per iteration from 0). Where the onset leaves fewer finite values than `warmup`, the statistics come from those
+there are; fewer than `MIN_HEALTHY` (2: reward-model-drift, onset 1, has one pre-onset row) leave the detector
+without healthy statistics, and it never alarms on that run.
 
 Reference detectors anchor the score scale: `never` (no alarm), `always` (alarm every row), `random-1`,
 `random` (5%) and `random-20` (alarm with that probability per row, one seeded stream per run), which
@@ -11,8 +15,15 @@ all score about 0 in expectation; `oracle` (the ground truth: alarms at onset on
 that fail, 100) and `injection` (alarms at onset on every injected run: it knows the injection, not the
 outcome). The last two are computed from the run's metadata in `suite.scoring`, never from rows.
 
-What a detector sees: `visible_row` strips every privileged or bookkeeping column from a stored row
-before `Detector.update` (see `suite.api.Detector`), and `replay` runs a detector over one run's rows.
+Reference `method-prior` (computed at scoring time too) reads no diagnostic: it alarms at onset on an injected
+run when its method's injected runs on the task's other seeds mostly failed, never on a control. A detector that
+scores no better than it has shown nothing a method's name would not tell.
+
+What a detector sees: `visible_row` / `visible_frame` give a stored row as the task's visible schema
+(`suite.visibility`: the diagnostics the task's baseline fills, no configuration column; the same columns whatever
+method runs, missing ones NaN) before `Detector.update` (see `suite.api.Detector`), and `replay` runs a detector
+over one run's rows. A learned detector (one that declares `Detector.fit`) is replayed by `replay_table` through
+`suite.crossfit`: fitted on other methods' runs and other seeds than those it scores.
 The runner's trial writes its `alarm/<name>` columns with `replay`, and `stabench score --detector`
 uses the same function on a finished run's stored rows, so both give the same alarms.
 """
@@ -28,6 +39,7 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 from stabench.suite.api import Budget, Detector, StabenchError, Task, ThresholdDetector
+from stabench.suite.visibility import configuration_columns, visible_columns
 
 # Columns the harness adds to a run's rows (who, where, what happened): never a detector's input.
 BOOKKEEPING = frozenset({
@@ -42,20 +54,37 @@ def privileged_columns(task: Task) -> frozenset[str]:
     return frozenset({"return", task.ground_truth.metric, *getattr(task, "privileged", ())})
 
 
-def hidden(column: str, task: Task) -> bool:
-    """True for a column no detector may read (privileged, a `gt_*` column, bookkeeping or an alarm)."""
-    return (column in privileged_columns(task) or column.startswith(("gt_", "alarm/", "knob_"))
-            or column in BOOKKEEPING)
+def hidden(column: str, task: Task, schema: bool = True) -> bool:
+    """True for a column no detector may read: privileged, a `gt_*` column, bookkeeping, an alarm, a knob, a
+    configuration column (`suite.visibility.configuration_columns`) and, with `schema`, any column outside the
+    task's visible schema (`suite.visibility.visible_columns`) where it has one."""
+    if (column in privileged_columns(task) or column.startswith(("gt_", "alarm/", "knob_"))
+            or column in BOOKKEEPING or column in configuration_columns(task)):
+        return True
+    columns = visible_columns(task) if schema else None
+    return columns is not None and column not in columns
+
+
+def _schema(task: Task) -> list[str] | None:
+    """The task's visible schema less anything hidden by name (a plugin's `Task.visible` may list one)."""
+    columns = visible_columns(task)
+    return None if columns is None else [c for c in columns if not hidden(c, task, schema=False)]
 
 
 def visible_frame(run: pd.DataFrame, task: Task) -> pd.DataFrame:
-    """One run's rows (iteration order) as a detector sees them: hidden columns and empty ones dropped."""
-    keep = [c for c in run.columns if not hidden(str(c), task)]
-    return run[keep].dropna(axis=1, how="all")
+    """One run's rows (iteration order) as a detector sees them: the task's visible schema, in its order, a column
+    the run does not fill NaN; a task without a schema (a plugin): every column that is not hidden."""
+    columns = _schema(task)
+    if columns is not None:
+        return run.reindex(columns=columns)
+    return run[[c for c in run.columns if not hidden(str(c), task)]]
 
 
 def visible_row(row: Mapping[str, object], task: Task) -> dict[str, object]:
-    """One row as a detector sees it."""
+    """One row as a detector sees it (`visible_frame`)."""
+    columns = _schema(task)
+    if columns is not None:
+        return {c: row.get(c, math.nan) for c in columns}
     return {k: v for k, v in row.items() if not hidden(str(k), task)}
 
 
@@ -69,36 +98,50 @@ def run_key(task: Task, cell: str, seed: int) -> str:
 
 def replay(ref: str, task: Task, budget: Budget, run: pd.DataFrame, key: str) -> np.ndarray:
     """The alarms (one bool per row, in the rows' order) of a fresh detector fed one run's visible rows."""
-    from stabench.suite import registry
+    from stabench.suite import crossfit, registry
 
-    detector = registry.make_detector(ref, task, budget)
+    if crossfit.is_learned(registry.resolve_class("detector", ref)):
+        raise StabenchError(f"detector {ref!r} is learned (it declares `fit`): it is scored cross-fitted over a "
+                            "finished run's stored rows (`stabench score DIR --detector ...`), not recorded by a run")
+    return replay_fitted(registry.make_detector(ref, task, budget), task, run, key)
+
+
+def replay_fitted(detector: Detector, task: Task, run: pd.DataFrame, key: str, state: object = None,
+                  learned: bool = False) -> np.ndarray:
+    """`replay` with a built detector; a learned one receives `state` (what its `fit` returned) first."""
+    if learned:
+        detector.load(state)
     if hasattr(detector, "reseed"):
         detector.reseed(key)
     rows = visible_frame(run, task).to_dict("records")
     return np.array([bool(detector.update(r)) for r in rows], dtype=bool)
 
 
-def replay_table(table: pd.DataFrame, refs: Iterable[str]) -> pd.DataFrame:
+def replay_table(table: pd.DataFrame, refs: Iterable[str], in_sample: bool = False) -> pd.DataFrame:
     """A copy of a finished run's table with an `alarm/<name>` column per detector, replayed from its
-    stored rows (an existing column of that name is replaced). Errors are one line for the user."""
-    from stabench.suite import registry
+    stored rows (an existing column of that name is replaced). Errors are one line for the user. A learned
+    detector is cross-fitted (`suite.crossfit`); `in_sample` fits it on every run of the task instead, the scored
+    ones included (a contrast for reports, never a score)."""
+    from stabench.suite import crossfit, registry
     from stabench.suite.scoring import task_of  # scoring (scipy) stays out of the trial's imports
 
     refs = list(refs)
-    names = {}
+    names, learned = {}, {}
     for ref in refs:
-        name = registry.resolve_class("detector", ref).name
-        if name in registry.SCORED_DETECTORS:
-            raise StabenchError(f"{name!r} is computed from the ground truth at scoring time, not replayed")
-        names[ref] = name
+        cls = registry.resolve_class("detector", ref)
+        if cls.name in registry.SCORED_DETECTORS:
+            raise StabenchError(f"{cls.name!r} is computed from the ground truth at scoring time, not replayed")
+        (learned if crossfit.is_learned(cls) else names)[ref] = cls.name
     out = table.copy()
+    for ref, name in learned.items():
+        out[f"alarm/{name}"] = crossfit.replay_learned(out, ref, in_sample=in_sample)
     cells = out["cell"].fillna("") if "cell" in out else pd.Series("", index=out.index)
     keys = ["task", "method", "seed", "variant"]
     tasks: dict[str, Task] = {}
     columns = {name: np.zeros(len(out), dtype=bool) for name in names.values()}
     position = pd.Series(np.arange(len(out)), index=out.index)
-    for (task_id, cell, method, seed, variant), run in out.assign(_cell=cells).groupby(
-            ["task", "_cell", *keys[1:]], sort=True):
+    groups = out.assign(_cell=cells).groupby(["task", "_cell", *keys[1:]], sort=True) if names else []
+    for (task_id, cell, method, seed, variant), run in groups:
         task = task_of(run, cell, tasks)
         if "tier" not in run:
             raise StabenchError("the table has no `tier` column: is it the metrics.parquet of a `stabench run`?")
@@ -127,29 +170,48 @@ def _value(row: Mapping[str, float], metric: str) -> float:
     return value
 
 
+MIN_HEALTHY = 2  # the fewest healthy values a spread is estimated from
+
+
 def default_warmup(budget: Budget) -> int:
     return max(3, budget.onset // 2)
 
 
-class _Standardized(Detector):
-    """Learns the mean and spread of the first `warmup` finite values, then sees standardized values."""
+def healthy_stats(values: list[float]) -> tuple[float, float]:
+    """Mean and spread of healthy values (NaN, NaN from fewer than `MIN_HEALTHY`); the spread has a floor, 5% of
+    |mean| (1e-8 at least): a perfectly flat warm-up must not turn noise into alarms."""
+    if len(values) < MIN_HEALTHY:
+        return math.nan, math.nan
+    mu = sum(values) / len(values)
+    var = sum((v - mu) ** 2 for v in values) / (len(values) - 1)
+    return mu, max(math.sqrt(var), 0.05 * abs(mu), 1e-8)
 
-    def __init__(self, metric: str, warmup: int) -> None:
-        self.metric, self.warmup = metric, warmup
+
+class _Standardized(Detector):
+    """Learns the mean and spread of the first `warmup` finite values among the first `onset` rows (the pre-onset
+    iterations; no cap when `onset` is None), then sees standardized values. With fewer than `MIN_HEALTHY` healthy
+    values it has no statistics and every value standardizes to NaN (never an alarm)."""
+
+    def __init__(self, metric: str, warmup: int, onset: int | None = None) -> None:
+        self.metric, self.warmup, self.onset = metric, warmup, onset
         self._seen: list[float] = []
+        self._rows, self._ready = 0, False
         self.mu = self.sigma = math.nan
 
     def standardize(self, row: Mapping[str, float]) -> float:
+        self._rows += 1
         x = _value(row, self.metric)
-        if not math.isfinite(x):
-            return math.nan
-        if len(self._seen) < self.warmup:
-            self._seen.append(x)
-            if len(self._seen) == self.warmup:
-                self.mu = sum(self._seen) / len(self._seen)
-                var = sum((v - self.mu) ** 2 for v in self._seen) / max(1, len(self._seen) - 1)
-                # a floor on sigma: a perfectly flat warm-up must not turn noise into alarms
-                self.sigma = max(math.sqrt(var), 0.05 * abs(self.mu), 1e-8)
+        if not self._ready:
+            if self.onset is None or self._rows <= self.onset:  # a pre-onset row: still healthy
+                if math.isfinite(x):
+                    self._seen.append(x)
+                    if len(self._seen) == self.warmup:
+                        self._ready = True
+                        self.mu, self.sigma = healthy_stats(self._seen)
+                return math.nan
+            self._ready = True  # the onset came first: the statistics of the healthy values there are
+            self.mu, self.sigma = healthy_stats(self._seen)
+        if not (math.isfinite(x) and math.isfinite(self.sigma)):
             return math.nan
         return (x - self.mu) / self.sigma
 
@@ -159,13 +221,13 @@ class CalibratedThreshold(_Standardized):
 
     name = "calibrated-threshold"
 
-    def __init__(self, metric: str, warmup: int, k: float = 4.0, above: bool = True) -> None:
-        super().__init__(metric, warmup)
+    def __init__(self, metric: str, warmup: int, k: float = 4.0, above: bool = True, onset: int | None = None) -> None:
+        super().__init__(metric, warmup, onset)
         self.k, self.above = k, above
 
     @classmethod
     def for_task(cls, task: Task, budget: Budget) -> CalibratedThreshold:
-        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above)
+        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above, onset=budget.onset)
 
     def update(self, row: Mapping[str, float]) -> bool:
         z = self.standardize(row)
@@ -180,13 +242,14 @@ class Cusum(_Standardized):
 
     name = "cusum"
 
-    def __init__(self, metric: str, warmup: int, k: float = 0.5, h: float = 5.0, above: bool = True) -> None:
-        super().__init__(metric, warmup)
+    def __init__(self, metric: str, warmup: int, k: float = 0.5, h: float = 5.0, above: bool = True,
+                 onset: int | None = None) -> None:
+        super().__init__(metric, warmup, onset)
         self.k, self.h, self.above, self.s = k, h, above, 0.0
 
     @classmethod
     def for_task(cls, task: Task, budget: Budget) -> Cusum:
-        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above)
+        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above, onset=budget.onset)
 
     def update(self, row: Mapping[str, float]) -> bool:
         z = self.standardize(row)
@@ -203,14 +266,15 @@ class PageHinkley(_Standardized):
 
     name = "page-hinkley"
 
-    def __init__(self, metric: str, warmup: int, delta: float = 0.5, lam: float = 8.0, above: bool = True) -> None:
-        super().__init__(metric, warmup)
+    def __init__(self, metric: str, warmup: int, delta: float = 0.5, lam: float = 8.0, above: bool = True,
+                 onset: int | None = None) -> None:
+        super().__init__(metric, warmup, onset)
         self.delta, self.lam, self.above = delta, lam, above
         self.n, self.mean, self.m, self.m_min = 0, 0.0, 0.0, 0.0
 
     @classmethod
     def for_task(cls, task: Task, budget: Budget) -> PageHinkley:
-        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above)
+        return cls(task.detector.metric, default_warmup(budget), above=task.detector.above, onset=budget.onset)
 
     def update(self, row: Mapping[str, float]) -> bool:
         z = self.standardize(row)
@@ -293,5 +357,18 @@ class Injection(Detector):
         return False
 
 
-__all__ = ["Always", "CalibratedThreshold", "Cusum", "Injection", "Never", "Oracle", "PageHinkley", "RandomAlarm",
-           "RandomAlarm1", "RandomAlarm20", "ThresholdDetector", "replay", "replay_table", "visible_row"]
+class MethodPrior(Detector):
+    """Placeholder in streams: computed at scoring time from the run's metadata. It alarms at onset on an injected
+    run when its method's injected runs of the task on the other seeds (its own left out) mostly failed (more than
+    half), never on a control: it knows which method ran and how that method fares, and reads no diagnostic. A
+    detector that does not beat it has not shown that it reads the failure rather than the method."""
+
+    name = "method-prior"
+
+    def update(self, row: Mapping[str, float]) -> bool:
+        return False
+
+
+__all__ = ["Always", "CalibratedThreshold", "Cusum", "Injection", "MethodPrior", "Never", "Oracle", "PageHinkley",
+           "RandomAlarm", "RandomAlarm1", "RandomAlarm20", "ThresholdDetector", "replay", "replay_table",
+           "visible_frame", "visible_row"]

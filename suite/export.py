@@ -3,7 +3,9 @@ Hugging Face's evaluation-results format (`stabench leaderboard --hf OUT.yaml`) 
 
 JSON: one object per leaderboard row, its per-task values (the injected runs' normalized return, or the detector
 skill score, with the control runs' value and whether the method acts there) and its aggregate and probability of
-improvement, each with its 95% interval. Numbers are numbers, a missing value is null (never NaN, which JSON lacks).
+improvement, each with its 95% interval, and its `rank_band` (`leaderboard.row_bands`: within its like-with-like
+group, rows whose intervals overlap, directly or through a chain, share a band and are not ordered; 1 is the top;
+null for an unranked row). Numbers are numbers, a missing value is null (never NaN, which JSON lacks).
 The leaderboard stores per-task means only; per-task intervals come from the run folder (`stabench score DIR
 --json`).
 
@@ -50,8 +52,10 @@ def _interval(value: Any, low: Any, high: Any) -> dict[str, float | None]:
 
 def json_rows(rows: list[dict]) -> list[dict]:
     """The leaderboard rows as JSON-ready objects (see the module docstring)."""
+    from stabench.suite.leaderboard import row_bands
+
     out = []
-    for row in rows:
+    for row, band in zip(rows, row_bands(rows)):
         per, control = json.loads(row["per_task"]), json.loads(row.get("control_per_task") or "{}")
         acts = set(json.loads(row.get("acts_on") or "[]"))
         stabilizer = row["track"] == "stabilizer"
@@ -65,13 +69,14 @@ def json_rows(rows: list[dict]) -> list[dict]:
         out.append({
             "track": row["track"], "name": row["name"], "version": row["version"], "tier": row["tier"],
             "suite_version": row["suite_version"], "date": row["date"], "n_seeds": int(row["n_seeds"]),
-            "ranked": row.get("ranked", "yes") == "yes",
+            "ranked": row.get("ranked", "yes") == "yes", "rank_band": band,
             "aggregate": _interval(row["aggregate"], row["ci_low"], row["ci_high"]),
             "probability_of_improvement": (_interval(row["poi"], row["poi_ci_low"], row["poi_ci_high"])
                                            if stabilizer else None),
             "per_task": per_task,
             "acts_on": sorted(acts) if stabilizer else None,
             "libraries": json.loads(row["libraries"]), "git_commit": row["git_commit"],
+            "fingerprint": json.loads(row.get("fingerprint") or "{}"),  # the run's machine; {} made before it
             "results_digest": row["results_digest"], "row_digest": row["row_digest"],
         })
     return out

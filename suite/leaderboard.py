@@ -22,6 +22,14 @@ the row's own fields: a row edited by hand no longer matches it. `stabench verif
 row whose `results_digest` matches DIR's table and reports any difference; a folder no row was computed from
 has nothing to disagree with and is named in a note, not counted as a mismatch.
 
+Rows are ordered in rank bands, never by aggregate alone (`row_bands`, `suite.bands`): rows are made on different
+machines, and the same code on another CPU moves a method's normalized return by about one seed-spread, so within
+a like-with-like group (`band_group`: track, tier, seeds, a tuned row's budget) rows whose 95% intervals overlap,
+directly or through a chain, share a band and are not ordered. For the same reason a stabilizer row is accepted
+only from a run that holds its own controls (`check_own_controls`: the baseline and both references on every task
+and seed of the method), and a tuned row is compared only with its method's default from the same run
+(`tuning_table`).
+
 Every check runs before anything is written; the append happens under a file lock and replaces the file
 atomically, so a refused submission leaves `leaderboard.csv` byte-identical and concurrent submissions
 all land.
@@ -44,8 +52,9 @@ from typing import Any
 
 import pandas as pd
 from filelock import FileLock
-from stabench.suite import registry, scoring
-from stabench.suite.api import CALIBRATED_TIERS, StabenchError
+from stabench.suite import bands, registry, scoring
+from stabench.suite.api import CALIBRATED_TIERS, REFERENCE_METHODS, StabenchError
+from stabench.suite.fingerprint import describe, machine_key, same_machine
 from stabench.suite.results import MANIFEST, METRICS, TRIALS
 from stabench.suite.tune import seed_text
 
@@ -59,7 +68,13 @@ OLD_COLUMNS = [
     "per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "ranked", "acts_on", "poi", "poi_ci_low",
     "poi_ci_high", "results_digest", "row_digest",
 ]
-COLUMNS = [*OLD_COLUMNS[:-2], *ADDED_COLUMNS, *OLD_COLUMNS[-2:]]
+# `fingerprint` (JSON: the machine the run was made on, its manifest's `fingerprint`; {} for a run made before
+# fingerprints were recorded) joined after them, in the same way: a file with either older header is read with it
+# empty, and an empty one leaves a row's digest as it was. It is no score: `verify` notes it, never compares it.
+MACHINE_COLUMNS = ["fingerprint"]
+OPTIONAL_COLUMNS = [*ADDED_COLUMNS, *MACHINE_COLUMNS]  # left out of a row's digest where empty
+PREVIOUS_COLUMNS = [*OLD_COLUMNS[:-2], *ADDED_COLUMNS, *OLD_COLUMNS[-2:]]  # the header before `fingerprint`
+COLUMNS = [*OLD_COLUMNS[:-2], *ADDED_COLUMNS, *MACHINE_COLUMNS, *OLD_COLUMNS[-2:]]
 SCORE_FIELDS = ("per_task", "control_per_task", "aggregate", "ci_low", "ci_high", "n_seeds", "ranked", "acts_on",
                 "poi", "poi_ci_low", "poi_ci_high", *ADDED_COLUMNS)
 DEFAULT_PATH = Path("results/leaderboard.csv")
@@ -75,9 +90,61 @@ def results_digest(table: pd.DataFrame) -> str:
 
 def row_digest(row: dict) -> str:
     """A digest of the row's fields (an added field left empty, in a row made before it, is left out)."""
-    fields = [k for k in COLUMNS if k != "row_digest" and not (k in ADDED_COLUMNS and not row.get(k))]
+    fields = [k for k in COLUMNS if k != "row_digest" and not (k in OPTIONAL_COLUMNS and not row.get(k))]
     body = json.dumps({k: str(row[k]) for k in fields}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def row_fingerprint(row: dict) -> dict:
+    """The machine a row's run was made on, its `fingerprint` ({} for a row made before fingerprints were recorded)."""
+    return json.loads(row.get("fingerprint") or "{}")
+
+
+def machine_labels(rows: list[dict]) -> dict[tuple, tuple[str, dict]]:
+    """The rows' distinct machines in order of appearance: machine key -> (`M1`, `M2`, ..., a fingerprint); a row
+    made before fingerprints were recorded has none (`machine_label`: `unknown`)."""
+    labels: dict[tuple, tuple[str, dict]] = {}
+    for row in rows:
+        fingerprint = row_fingerprint(row)
+        key = machine_key(fingerprint)
+        if key and key not in labels:
+            labels[key] = (f"M{len(labels) + 1}", fingerprint)
+    return labels
+
+
+def machine_label(row: dict, labels: dict[tuple, tuple[str, dict]]) -> str:
+    return labels.get(machine_key(row_fingerprint(row)), ("unknown", {}))[0]
+
+
+def machine_legend(rows: list[dict]) -> list[str]:
+    """LEADERBOARD.md's key to its `machine` column: one line per machine, and one for rows made before fingerprints."""
+    lines = ["Machines (the `machine` column: where the run a row was computed from was made; rows are bit-identical "
+             "only on the same machine, elsewhere they replicate within a tolerance):", ""]
+    lines += [f"- {label}: {describe(fingerprint)}" for label, fingerprint in machine_labels(rows).values()]
+    if any(not row_fingerprint(r) for r in rows):
+        lines.append("- unknown: made before run manifests recorded the machine's fingerprint")
+    return [*lines, ""]
+
+
+def machine_notes(rows: list[dict]) -> list[str]:
+    """`stabench verify`'s notes on machines: each row made on another machine than the built-in rows (version
+    `builtin`), which its numbers may differ from by the machine alone; or, once, that the built-in rows name no
+    one machine (they disagree among themselves, or were made before fingerprints were recorded)."""
+    builtin = [r for r in rows if r["version"] == "builtin"]
+    if not builtin:
+        return []
+    machines = {machine_key(row_fingerprint(r)): row_fingerprint(r) for r in builtin}
+    if set(machines) == {()}:
+        return ["the built-in rows record no machine fingerprint (made before fingerprints were recorded): no row's "
+                "machine can be compared with theirs"]
+    if len(machines) > 1:
+        named = "; ".join(map(describe, machines.values()))
+        return [f"the built-in rows were made on {len(machines)} machines ({named}): no row's machine is compared "
+                "with theirs"]
+    reference = next(iter(machines.values()))
+    return [f"{r['track']} {r['name']} ({r['version']}, {r['tier']}) was made on {describe(row_fingerprint(r))}, the "
+            f"built-in rows on {describe(reference)}: its numbers may differ from theirs by the machine alone"
+            for r in rows if r["version"] != "builtin" and not same_machine(row_fingerprint(r), reference)]
 
 
 def row_seeds(row: dict) -> str:
@@ -88,6 +155,35 @@ def row_seeds(row: dict) -> str:
 
 def is_tuned(row: dict) -> bool:
     return row.get("tuning") not in (None, "", "{}")
+
+
+def band_group(row: dict) -> tuple:
+    """The like-with-like group a row is ranked in: its track, tier and seeds, and a tuned row's tuning budget (a
+    tuned row is ranked only against rows tuned with the same budget, an untuned one only against untuned rows)."""
+    budget = int(json.loads(row["tuning"]).get("budget", 0)) if is_tuned(row) else None
+    return row["track"], row["tier"], row_seeds(row), is_tuned(row), budget
+
+
+BAND_NOTE = ("Rows in one band are not ordered: their 95% intervals overlap, directly or through a chain of rows, "
+             "so machine noise could swap them (band 1 is the top; within a band rows are listed by aggregate, "
+             "which ranks nothing; an unranked row has no band, `-`).")
+
+
+def row_bands(rows: list[dict]) -> list[int | None]:
+    """Per row, its rank band within its group (`band_group`, `suite.bands`): rows whose 95% intervals overlap,
+    directly or through a chain, share a band and are not ordered; 1 is the top band; an unranked row has none."""
+    out: list[int | None] = [None] * len(rows)
+    groups: dict[tuple, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(band_group(row), []).append(i)
+    for members in groups.values():
+        chosen = [rows[i] for i in members]
+        found = bands.rank_bands([float(r["aggregate"]) for r in chosen], [float(r["ci_low"]) for r in chosen],
+                                 [float(r["ci_high"]) for r in chosen],
+                                 [r.get("ranked", "yes") == "yes" for r in chosen])
+        for i, band in zip(members, found):
+            out[i] = band
+    return out
 
 
 def _fmt(value: float) -> str:
@@ -165,6 +261,32 @@ def validate_run(table: pd.DataFrame, manifest: dict, trials: pd.DataFrame) -> N
         raise StabenchError(f"trials missing from the table (a run was dropped): {sorted(listed - recorded)[:3]}")
 
 
+def check_own_controls(table: pd.DataFrame, methods: list[str]) -> None:
+    """Refuse a stabilizer row whose run does not hold its own controls: on every task the method ran, the baseline
+    and both references (`REFERENCE_METHODS`) must have run in the same run, at the same tier, on at least the
+    method's seeds. A row is read against them (P(improve) against the baseline, the floor the references anchor),
+    and the same code on another machine moves a method's return by about a seed-spread: controls from another
+    folder would compare machines, not methods."""
+    columns = ["task", "method", "seed", *(["tier"] if "tier" in table else [])]
+    runs = table[columns].drop_duplicates()
+    seeds = {key: set(g["seed"]) for key, g in runs.groupby(["task", "method"])}
+    tiers = {key: set(g["tier"]) for key, g in runs.groupby(["task", "method"])} if "tier" in runs else {}
+    for method in methods:
+        for task in sorted(runs.loc[runs["method"] == method, "task"].unique()):
+            mine = seeds[(task, method)]
+            for control in ("baseline", *REFERENCE_METHODS):
+                theirs, tier = seeds.get((task, control), set()), tiers.get((task, control), set())
+                if mine <= theirs and tier == tiers.get((task, method), set()):
+                    continue
+                held = "no runs" if not theirs else f"seeds {seed_text(sorted(theirs))}" + (
+                    f" at tier {', '.join(sorted(tier))}" if tier else "")
+                raise StabenchError(
+                    f"{method} cannot be scored from this run: on {task} it ran on seeds {seed_text(sorted(mine))} "
+                    f"and {control} has {held}; a row needs the baseline and both references "
+                    f"({', '.join(REFERENCE_METHODS)}) from its own run on the same seeds and tier: run them with it "
+                    f"(--methods baseline,{','.join(REFERENCE_METHODS)},...)")
+
+
 def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None = None,
                  detectors: list[str] | None = None) -> list[dict]:
     """The leaderboard rows for the chosen methods and detectors of one run (all of them by default)."""
@@ -199,6 +321,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         "tier": tier,
         "suite_version": manifest["suite_version"],
         "libraries": json.dumps(manifest.get("libraries", {}), sort_keys=True, separators=(",", ":")),
+        "fingerprint": _json(manifest.get("fingerprint") or {}),
         "git_commit": _git_commit(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "results_digest": results_digest(table),
@@ -241,7 +364,9 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
             per_task[t] = None if math.isnan(value) else round(value, 6)
         value, low, high = scoring.detector_skill(own)
         rows.append({**common, "track": "detector", "name": detector, "version": versions[detector],
-                     "seeds": seed_text(own["seed"].unique()), "setting": "{}", "tuning": "{}", "failures": "{}",
+                     "seeds": seed_text(own["seed"].unique()), "setting": "{}", "tuning": "{}",
+                     # a detector's alarms on healthy runs and its warning time (`scoring.alarm_summary`)
+                     "failures": _json(scoring.alarm_summary(own)) if len(own) else "{}",
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
                      "aggregate": _fmt(value),
@@ -290,7 +415,7 @@ def read(path: Path) -> list[dict]:
     try:
         text = path.read_text()
         reader = csv.DictReader(io.StringIO(text))
-        if reader.fieldnames not in (COLUMNS, OLD_COLUMNS):
+        if reader.fieldnames not in (COLUMNS, PREVIOUS_COLUMNS, OLD_COLUMNS):
             raise StabenchError(f"{path} is corrupt: its header is not the leaderboard's")
         rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
@@ -300,7 +425,7 @@ def read(path: Path) -> list[dict]:
             raise StabenchError(f"{path} is corrupt: line {number} has the wrong number of fields")
         if row["row_digest"] != row_digest(row):
             raise StabenchError(f"{path} has a tampered row: line {number} ({row['track']} {row['name']})")
-        for key in ADDED_COLUMNS:  # a file made before these fields: empty, as the digest reads them
+        for key in OPTIONAL_COLUMNS:  # a file made before these fields: empty, as the digest reads them
             row.setdefault(key, "")
     return rows
 
@@ -321,6 +446,7 @@ def submit(directory: Path, path: Path = DEFAULT_PATH, methods: list[str] | None
     table, manifest, trials = load_run(directory)
     validate_run(table, manifest, trials)
     new = compute_rows(table, manifest, methods, detectors)
+    check_own_controls(table, [r["name"] for r in new if r["track"] == "stabilizer"])
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock", timeout=60):
         rows = read(path)
@@ -487,11 +613,14 @@ def run_fresh(check: FreshCheck, address: str | None = None, cpus: int | None = 
 def tuning_table(rows: list[dict]) -> list[dict]:
     """The tuned stabilizer rows beside their defaults, grouped by tier, scoring seeds and tuning budget: a tuned row
     is ranked only against rows tuned with the same budget on the same seeds. `default_*` come from the untuned row of
-    the same method, tier and seeds (the latest, if several); `rank` orders the group by the tuned aggregate and
-    `default_rank` the same methods by their defaults' (a gain that vanishes or a rank that flips shows here)."""
-    defaults: dict[tuple[str, str, str], dict] = {}
+    the same method, tier and seeds computed from the same raw table (`results_digest`: the same run, so the same
+    machine; the latest, if several); a tuned row without one has `has_default` False and no gain, never a default
+    from another folder. `band` is the tuned row's rank band in its group (`row_bands`: rows whose intervals overlap
+    are not ordered) and `default_band` the band of its default among the group's defaults (a gain that vanishes or
+    a band that moves shows here)."""
+    defaults: dict[tuple[str, str, str, str], dict] = {}
     for r in sorted((r for r in rows if r["track"] == "stabilizer" and not is_tuned(r)), key=lambda r: r["date"]):
-        defaults[(r["name"], r["tier"], row_seeds(r))] = r
+        defaults[(r["name"], r["tier"], row_seeds(r), r["results_digest"])] = r
     out = []
     for r in rows:
         if r["track"] != "stabilizer" or not is_tuned(r):
@@ -499,7 +628,7 @@ def tuning_table(rows: list[dict]) -> list[dict]:
         record = json.loads(r["tuning"])
         spent = record.get("spent", {})
         base = registry.base_name(r["name"])
-        default = defaults.get((base, r["tier"], row_seeds(r)))
+        default = defaults.get((base, r["tier"], row_seeds(r), r["results_digest"]))
         value = float(r["aggregate"])
         before = float(default["aggregate"]) if default else math.nan
         out.append({
@@ -508,20 +637,25 @@ def tuning_table(rows: list[dict]) -> list[dict]:
                 json.loads(default["setting"])) if default and default.get("setting") else "",
             "configurations": spent.get("configurations"), "runs": spent.get("runs"),
             "cpu_seconds": spent.get("cpu_seconds"), "tuning_seeds": seed_text(record.get("tuning_seeds", [])),
+            "results_digest": r["results_digest"], "has_default": default is not None,
             "default": before, "default_ci_low": float(default["ci_low"]) if default else math.nan,
             "default_ci_high": float(default["ci_high"]) if default else math.nan,
+            "default_ranked": default is not None and default.get("ranked", "yes") == "yes",
             "tuned": value, "tuned_ci_low": float(r["ci_low"]), "tuned_ci_high": float(r["ci_high"]),
+            "ranked": r.get("ranked", "yes") == "yes",
             "gain": value - before, "poi": float(r["poi"]) if r.get("poi", "nan") != "nan" else math.nan,
         })
     groups: dict[tuple, list[dict]] = {}
     for t in out:
         groups.setdefault((t["tier"], t["seeds"], t["budget"]), []).append(t)
     for group in groups.values():
-        for key, rank in (("tuned", "rank"), ("default", "default_rank")):
-            order = sorted(group, key=lambda t: -t[key] if not math.isnan(t[key]) else math.inf)
-            for position, t in enumerate(order, start=1):
-                t[rank] = position if not math.isnan(t[key]) else None
-    return sorted(out, key=lambda t: (t["tier"], t["seeds"], t["budget"], t["rank"]))
+        for key, ranked, band in (("tuned", "ranked", "band"), ("default", "default_ranked", "default_band")):
+            found = bands.rank_bands([t[key] for t in group], [t[f"{key}_ci_low"] for t in group],
+                                     [t[f"{key}_ci_high"] for t in group], [t[ranked] for t in group])
+            for t, b in zip(group, found):
+                t[band] = b
+    return sorted(out, key=lambda t: (t["tier"], t["seeds"], t["budget"], t["band"] is None, t["band"] or 0,
+                                      -t["tuned"] if not math.isnan(t["tuned"]) else math.inf, t["method"]))
 
 
 def _ci(value: float, low: float, high: float) -> str:
@@ -533,36 +667,42 @@ def tuning_markdown(rows: list[dict]) -> list[str]:
     table = tuning_table(rows)
     if not table:
         return ["No tuned rows yet: `stabench tune --method M --budget N`, then `stabench run --methods "
-                "baseline,M@tuned --seeds 10` and `stabench submit DIR --method M@tuned`.", ""]
+                "baseline,no-update,frozen-at-onset,M,M@tuned --seeds 10` and `stabench submit DIR --method M "
+                "--method M@tuned`.", ""]
     lines: list[str] = []
     for key in dict.fromkeys((t["tier"], t["seeds"], t["budget"]) for t in table):
         group = [t for t in table if (t["tier"], t["seeds"], t["budget"]) == key]
         lines += [f"Tier {key[0]}, scored on seeds {key[1]}, tuned with a budget of {key[2]} configurations "
                   f"(on tuning seeds {', '.join(sorted({t['tuning_seeds'] for t in group}))}):", "",
-                  "| rank (default's) | method | tuned setting (default) | default [95% CI] | tuned [95% CI] | gain "
+                  "| band (default's) | method | tuned setting (default) | default [95% CI] | tuned [95% CI] | gain "
                   "| P(improve) | spent: configurations, runs, CPU-s |", "|---" * 8 + "|"]
         for t in group:
-            default_rank = t["default_rank"] if t["default_rank"] is not None else "-"
-            gain = "-" if math.isnan(t["gain"]) else f"{t['gain']:+.3g}"
+            band, default_band = (t[k] if t[k] is not None else "-" for k in ("band", "default_band"))
+            gain = ("no default in the same run" if not t["has_default"] else
+                    "-" if math.isnan(t["gain"]) else f"{t['gain']:+.3g}")
             poi = "-" if math.isnan(t["poi"]) else f"{t['poi']:.2f}"
-            lines.append(f"| {t['rank']} ({default_rank}) | {t['method']} | {t['setting']} ({t['default_setting']}) | "
-                         f"{_ci(t['default'], t['default_ci_low'], t['default_ci_high'])} | "
+            lines.append(f"| {band} ({default_band}) | {t['method']} | {t['setting']} ({t['default_setting'] or '-'}) "
+                         f"| {_ci(t['default'], t['default_ci_low'], t['default_ci_high'])} | "
                          f"{_ci(t['tuned'], t['tuned_ci_low'], t['tuned_ci_high'])} | {gain} | {poi} | "
                          f"{t['configurations']}, {t['runs']}, {t['cpu_seconds']} |")
-        lines.append("")
+        lines += ["", BAND_NOTE, ""]
     return lines
 
 
 def render_markdown(rows: list[dict], path: Path) -> None:
     """`results/LEADERBOARD.md`, rendered from the CSV (never edited by hand). Stabilizer rows are ranked only
     against rows of the same tier made on the same seeds (a baseline's aggregate differs between seeds 0-4 and
-    0-9), tuned rows only against rows tuned with the same budget, beside their defaults."""
-    lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", ""]
+    0-9), tuned rows only against rows tuned with the same budget, beside their defaults from the same run. Each table
+    lists its rows by rank band (`row_bands`: rows whose intervals overlap are not ordered), then by aggregate."""
+    lines = ["# Leaderboard", "", "Rendered from `leaderboard.csv` by `stabench submit`; do not edit by hand.", "",
+             *machine_legend(rows)]
+    machines = machine_labels(rows)  # one key for every table
     for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
                                ("detector", "Detector track", "mean detector skill score (100 = oracle, 0 = chance)")):
-        mine = sorted((r for r in rows if r["track"] == track and not is_tuned(r)),
-                      key=lambda r: (r.get("ranked", "yes") != "yes",
-                                     -float(r["aggregate"]) if r["aggregate"] != "nan" else math.inf))
+        untuned = [r for r in rows if r["track"] == track and not is_tuned(r)]
+        band = dict(zip(map(id, untuned), row_bands(untuned)))  # by band, then aggregate: no overlap is ordered
+        mine = sorted(untuned, key=lambda r: (band[id(r)] is None, band[id(r)] or 0,
+                                              -float(r["aggregate"]) if r["aggregate"] != "nan" else math.inf))
         if not mine:
             continue
         lines += [f"## {title}", "", f"Aggregate: {unit}, 95% stratified bootstrap interval.", ""]
@@ -570,37 +710,67 @@ def render_markdown(rows: list[dict], path: Path) -> None:
             runs = sorted({r["results_digest"][:12] for r in mine})
             lines += [f"Computed on the run(s) {', '.join(runs)} (results digest); the canonical rows come from "
                       "the method matrix `results/matrix` (every stabilizer on every default task, 10 seeds), so "
-                      "every detector is scored on the very same runs.", ""]
+                      "every detector is scored on the very same runs.", "", *_against_prior(mine)]
         if track == "stabilizer":
             lines += ["Per task: normalized return of the injected runs, and in brackets of the control runs (the "
                       "method's cost on healthy training); `=` marks a task where the method does not change the "
                       "trainer, so its runs there are the baseline's. Ranked only on the common task set, and only "
                       "against rows of the same tier made on the same seeds (one table each); P(improve) is the "
                       "probability that a run with the method beats a baseline run on the same task.", ""]
-        groups = dict.fromkeys((r["tier"], row_seeds(r)) for r in mine) if track == "stabilizer" else {None: None}
+        groups = dict.fromkeys((r["tier"], row_seeds(r)) for r in mine)  # one table (one set of bands) each
         for group in groups:
-            chosen = [r for r in mine if group is None or (r["tier"], row_seeds(r)) == group]
-            if group is not None:
+            chosen = [r for r in mine if (r["tier"], row_seeds(r)) == group]
+            if track == "stabilizer" or len(groups) > 1:
                 lines += [f"### Tier {group[0]}, seeds {group[1]}", ""]
-            lines += _track_table(track, chosen)
+            lines += _track_table(track, chosen, machines)
     lines += ["## Tuned stabilizers", "",
               "A tuned row's setting was chosen by `stabench tune` on tuning seeds disjoint from the scoring seeds, "
               "with the budget shown; it is ranked only against rows tuned with the same budget and scored on the "
-              "same seeds, beside its default's row (same tier and seeds). The two rows may come from different runs: "
-              "the gain is the tuning's only where both were made on the same kind of machine (the built-in rows: "
-              "results/calibration.md, on the CPU dependence of the warm starts).", "", *tuning_markdown(rows)]
+              "same seeds, beside its method's default row computed from the same raw table (the same run, "
+              "`results_digest`; same tier and seeds), so the gain is the tuning's and not a difference between "
+              "machines (results/calibration.md, on the CPU dependence of the warm starts). A tuned row whose run "
+              "holds no default row shows \"no default in the same run\" instead of a gain.", "",
+              *tuning_markdown(rows)]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines))
     os.replace(tmp, path)
 
 
-def _track_table(track: str, mine: list[dict]) -> list[str]:
+def _against_prior(rows: list[dict]) -> list[str]:
+    """The detector rows read against `method-prior` (it reads no diagnostic: it alarms at onset on an injected run
+    when its method's injected runs on the task's other seeds mostly failed): per detector, the tasks it scores
+    above method-prior on (from `per_task`, the same run's), and its false-alarm rate and median lead."""
+    prior = next((r for r in rows if r["name"] == "method-prior"), None)
+    if prior is None:
+        return []
+    theirs = json.loads(prior["per_task"])
+    parts = []
+    for r in rows:
+        if r["name"] in ("method-prior", "oracle", "injection") or r["results_digest"] != prior["results_digest"]:
+            continue
+        mine = json.loads(r["per_task"])
+        above = sum(1 for t, v in mine.items() if v is not None and theirs.get(t) is not None and v > theirs[t])
+        alarms = json.loads(r.get("failures") or "{}")
+        far, lead = alarms.get("false_alarm_rate"), alarms.get("median_lead")
+        parts.append(f"{r['name']} {above}/{len(theirs)}"
+                     + (f" (false alarms {far:.2f}, lead {lead:+.1f})" if far is not None and lead is not None else ""))
+    return [f"Read against `method-prior` (aggregate {float(prior['aggregate']):.3g}), which reads no diagnostic "
+            "but knows which method ran and how its injected runs fared on the task's other seeds: a detector that "
+            "does not beat it "
+            "has not shown that it reads the failure rather than the method. Tasks on which each detector scores "
+            "above it (with its false-alarm rate on healthy runs and median lead, iterations): "
+            + ("; ".join(parts) or "none") + ".", ""]
+
+
+def _track_table(track: str, mine: list[dict], machines: dict[tuple, tuple[str, dict]] | None = None) -> list[str]:
+    machines = machine_labels(mine) if machines is None else machines
     tasks = sorted({t for r in mine for t in json.loads(r["per_task"])})
     lines = []
+    band = dict(zip(map(id, mine), row_bands(mine)))
     extra = " P(improve) [95% CI] | ranked |" if track == "stabilizer" else ""
-    lines.append("| name | version | tier | seeds | aggregate [95% CI] |" + extra + " " + " | ".join(tasks)
-                 + " | date |")
-    lines.append("|---" * (6 + len(tasks) + (2 if extra else 0)) + "|")
+    lines.append("| band | name | version | tier | seeds | aggregate [95% CI] |" + extra + " " + " | ".join(tasks)
+                 + " | machine | date |")
+    lines.append("|---" * (8 + len(tasks) + (2 if extra else 0)) + "|")
     for r in mine:
         per, healthy = json.loads(r["per_task"]), json.loads(r.get("control_per_task") or "{}")
         acts = json.loads(r.get("acts_on") or "[]")
@@ -614,7 +784,8 @@ def _track_table(track: str, mine: list[dict]) -> list[str]:
             poi = (f"{float(r['poi']):.2f} [{float(r['poi_ci_low']):.2f}, {float(r['poi_ci_high']):.2f}]"
                    if r.get("poi", "nan") != "nan" else "-")
             agg += f" | {poi} | {r.get('ranked', 'yes')}"
-        lines.append(f"| {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
-                     + " | ".join(cells) + f" | {r['date'][:10]} |")
-    lines.append("")
+        shown = band[id(r)] if band[id(r)] is not None else "-"
+        lines.append(f"| {shown} | {r['name']} | {r['version']} | {r['tier']} | {r['n_seeds']} | {agg} | "
+                     + " | ".join(cells) + f" | {machine_label(r, machines)} | {r['date'][:10]} |")
+    lines += ["", BAND_NOTE, ""]
     return lines

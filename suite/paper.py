@@ -8,8 +8,9 @@ no number in the text is typed by hand. The figures are the suite's own (below) 
 with its figures. A figure whose task is not in the results is skipped with a line saying so, never drawn empty.
 The matrix's classification lives in `suite.matrix`, the plotting toolkit in `suite.figures`.
 The results section compares like with like: figure 11 and the aggregate table rank only the methods on the common
-default task set and the detector figures and tables score every detector on the same runs, both from the method
-matrix when there is one (as the leaderboard does); the experimental tasks are shown apart, never ranked.
+default task set, in rank bands (`suite.bands`: methods whose intervals overlap are not ordered), and the detector
+figures and tables score every detector on the same runs, both from the method matrix when there is one (as the
+leaderboard does); the experimental tasks are shown apart, never ranked.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from stabench.suite import bands, scoring
 from stabench.suite import matrix as matrix_module
-from stabench.suite import scoring
 from stabench.suite.api import REFERENCE_METHODS, Figure, StabenchError, Task
 from stabench.suite.figures import ONSET_STYLE, Skip, markdown_table, onset_line, save, setup
 
@@ -70,7 +71,7 @@ def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
             where = position[run.index].to_numpy()
             for metric in metrics:
                 for direction in "+-":
-                    det = PageHinkley(metric, default_warmup(budget), above=direction == "+")
+                    det = PageHinkley(metric, default_warmup(budget), above=direction == "+", onset=budget.onset)
                     columns[f"alarm/{metric}|{direction}"][where] = [det.update(r) for r in visible]
         scored = pd.DataFrame(scoring.detector_track(rows.assign(**columns)))
         for metric in metrics:
@@ -124,7 +125,7 @@ def split_detection(table: pd.DataFrame, per_run: pd.DataFrame | None = None) ->
             for rule, cls in rules.items():
                 for split, aggregate, above in pairs:
                     for metric in (split, aggregate):
-                        det = cls(metric, default_warmup(budget), above=above)
+                        det = cls(metric, default_warmup(budget), above=above, onset=budget.onset)
                         columns[f"alarm/{rule}:{metric}"][where] = [det.update(r) for r in visible]
         bare = rows.drop(columns=[c for c in rows.columns if c.startswith("alarm/")])
         scored = pd.DataFrame(scoring.detector_track(bare.assign(**columns), per_run)).set_index("detector")
@@ -202,9 +203,11 @@ def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
 
     `ranking`: the methods ranked on the common task set by the leaderboard's rule (`scoring.across_tasks`: the
     baseline's tasks; a method with runs on only some of them is left out, its number would compare tasks rather
-    than methods), best first: method, n_tasks, n_acts, IQM with its interval, P(improve) with its interval, and the
-    failure rate of its injected runs on that set. Read from the method matrix (`matrix_runs`: every method on
-    every default task) when there is one; otherwise from the run's own methods on its non-experimental tasks.
+    than methods), in rank bands (`suite.bands`: methods whose intervals overlap, directly or through a chain, share
+    a band and are not ordered; 1 is the top), by band and then IQM: band, method, n_tasks, n_acts, IQM with its
+    interval, P(improve) with its interval, and the failure rate of its injected runs on that set. Read from the
+    method matrix (`matrix_runs`: every method on every default task) when there is one; otherwise from the run's
+    own methods on its non-experimental tasks.
     `apart`: per task and method (`scoring.stabilizer_track`), the tasks left out of the ranking (the experimental
     ones), shown beside it, never mixed in. `note`: one sentence saying which set was ranked."""
     if matrix_runs is not None:
@@ -222,9 +225,13 @@ def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
              "poi_ci_low": r.get("poi_ci_low", math.nan), "poi_ci_high": r.get("poi_ci_high", math.nan),
              "failure_rate": float(failure.get(r["method"], math.nan))}
             for r in scoring.across_tasks(ranked_runs) if r["ranked"]]
-    columns = ["method", "n_tasks", "n_acts", "iqm", "ci_low", "ci_high", "poi", "poi_ci_low", "poi_ci_high",
+    for row, band in zip(rows, bands.rank_bands([r["iqm"] for r in rows], [r["ci_low"] for r in rows],
+                                                 [r["ci_high"] for r in rows])):
+        row["band"] = band if band is not None else math.nan
+    columns = ["band", "method", "n_tasks", "n_acts", "iqm", "ci_low", "ci_high", "poi", "poi_ci_low", "poi_ci_high",
                "failure_rate"]
-    ranking = pd.DataFrame(rows, columns=columns).sort_values(["iqm", "method"], ascending=[False, True])
+    ranking = pd.DataFrame(rows, columns=columns).sort_values(["band", "iqm", "method"],
+                                                              ascending=[True, False, True])
     apart = pd.DataFrame(scoring.stabilizer_track(None, per_run=apart_runs)) if len(apart_runs) else pd.DataFrame()
     seeds = int(injected.groupby(["task", "method"])["seed"].nunique().min()) if len(injected) else 0
     if matrix_runs is not None:
@@ -242,6 +249,7 @@ def ranking_table(ranking: pd.DataFrame) -> pd.DataFrame:
         return "-" if math.isnan(value) else f"{value:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
     return pd.DataFrame({
+        "band": ["-" if pd.isna(b) else str(int(b)) for b in ranking["band"]],
         "method": ranking["method"],
         "tasks": [f"{t} (acts on {a})" for t, a in zip(ranking["n_tasks"], ranking["n_acts"])],
         "IQM [95% CI]": [ci(*v, 3) for v in ranking[["iqm", "ci_low", "ci_high"]].itertuples(index=False)],
@@ -271,7 +279,8 @@ ROLE_STYLE = {"baseline": ("C3", "o", "baseline"), "matched-fix": ("C2", "D", "m
 def fig_leaderboard(table: pd.DataFrame, out: Path,
                     views: tuple[pd.DataFrame, pd.DataFrame, str] | None = None) -> list[Path]:
     """Left: the ranked methods (`stabilizer_views`: the common default task set, from the method matrix when
-    there is one), IQM of normalized return with stratified bootstrap 95% intervals, best on top. Right, apart:
+    there is one), IQM of normalized return with stratified bootstrap 95% intervals, by rank band (the top band on
+    top; every other band shaded, each named at the right: within a band the methods are not ordered). Right, apart:
     the experimental tasks, each task's methods by role (never ranked with the others)."""
     import matplotlib.pyplot as plt
 
@@ -280,7 +289,7 @@ def fig_leaderboard(table: pd.DataFrame, out: Path,
     ranking, apart, note = views
     if ranking.empty:
         raise Skip("no method ran on the whole common task set")
-    ranking = ranking.iloc[::-1].reset_index(drop=True)  # best on top
+    ranking = ranking.iloc[::-1].reset_index(drop=True)  # the top band on top
     n_apart = apart["task"].nunique() if len(apart) else 0
     height = max(0.3 * len(ranking), 0.55 * n_apart) + 2.2
     if n_apart:
@@ -293,6 +302,12 @@ def fig_leaderboard(table: pd.DataFrame, out: Path,
         color, marker, _ = ROLE_STYLE[roles.get(row["method"], "other")]
         ax.errorbar(row["iqm"], i, xerr=[[row["iqm"] - row["ci_low"]], [row["ci_high"] - row["iqm"]]],
                     fmt="o", ms=4, capsize=2, color=color)
+    for band, members in ranking.groupby("band"):  # rows of one band are contiguous: sorted by band
+        low, high = members.index.min() - 0.5, members.index.max() + 0.5
+        if int(band) % 2 == 0:
+            ax.axhspan(low, high, color="0.92", linewidth=0, zorder=0)
+        ax.text(1.01, (low + high) / 2, f"band {int(band)}", transform=ax.get_yaxis_transform(), va="center",
+                fontsize=7, color="0.35")
     base = ranking[ranking["method"] == "baseline"]
     if len(base):
         ax.axvline(float(base["iqm"].iloc[0]), color=ROLE_STYLE["baseline"][0], linestyle=":", linewidth=1,
@@ -306,7 +321,7 @@ def fig_leaderboard(table: pd.DataFrame, out: Path,
     n_tasks = int(ranking["n_tasks"].max())
     ax.set_xlabel(f"IQM of normalized return after onset over {n_tasks} tasks (95% stratified bootstrap CI)")
     source = "method matrix" if "of the method matrix" in note else "this run's own methods"
-    ax.set_title(f"Ranked on the common task set ({n_tasks} tasks, {source})")
+    ax.set_title(f"Rank bands on the common task set ({n_tasks} tasks, {source})")
     if n_apart:
         tasks = sorted(apart["task"].unique(), reverse=True)
         where = {t: i for i, t in enumerate(tasks)}
@@ -389,6 +404,49 @@ def fig_latency(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = N
     return paths
 
 
+def fig_precision_lead(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None) -> list[Path]:
+    """Per task, its paired diagnostic read as the change rules read it (z against the run's own pre-onset rows, on
+    the task's side), across thresholds (`suite.tradeoff`): the precision of the runs that alarm (failing / all
+    alarmed; dashed: chance, the share of failing runs) against the median lead on the failing runs it warns (> 0:
+    before the failure shows in the return). Every run the detector track scores; `build` passes the method matrix
+    when there is one."""
+    import matplotlib.pyplot as plt
+    from stabench.suite import tradeoff
+
+    curves = tradeoff.precision_lead(table, per_run)
+    if curves.empty or curves["precision"].isna().all():
+        raise Skip("no failing run in the results")
+    tasks = sorted(curves["task"].unique())
+    cols = min(4, len(tasks))
+    rows_n = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n + 0.6), squeeze=False,
+                             constrained_layout=True)
+    norm = plt.matplotlib.colors.LogNorm(min(tradeoff.THRESHOLDS), max(tradeoff.THRESHOLDS))
+    for ax, task in zip(axes.flat, tasks):
+        mine = curves[curves["task"] == task].sort_values("threshold")
+        ax.plot(mine["median_lead"], mine["precision"], color="0.6", linewidth=0.8, zorder=1)
+        dots = ax.scatter(mine["median_lead"], mine["precision"], c=mine["threshold"], cmap="viridis", norm=norm,
+                          s=16, zorder=2)
+        ax.axhline(float(mine["base_rate"].iloc[0]), color="0.4", linestyle="--", linewidth=0.8)
+        ax.axvline(0, **ONSET_STYLE)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{task}\n{mine['diagnostic'].iloc[0]} ({mine['side'].iloc[0]})", fontsize=9)
+        ax.set_xlabel("median lead [iterations] (> 0: warned before)", fontsize=8)
+        ax.set_ylabel("precision", fontsize=8)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.set_visible(False)
+    fig.colorbar(dots, ax=axes.ravel().tolist(), label="threshold [healthy standard deviations]", shrink=0.6)
+    fig.suptitle("Precision against lead time across thresholds, each task's paired diagnostic "
+                 "(dashed: chance precision)")
+    paths = []
+    for ext in ("pdf", "png"):
+        path = out / "figures" / f"12_precision_lead.{ext}"
+        fig.savefig(path, dpi=150)
+        paths.append(path)
+    plt.close(fig)
+    return paths
+
+
 def fig_entropy(table: pd.DataFrame, out: Path) -> list[Path]:
     """Policy entropy over training, baseline and matched fix, every task (the shared door of failures)."""
     import matplotlib.pyplot as plt
@@ -421,6 +479,7 @@ SUITE_FIGURES: tuple[Figure, ...] = (
     Figure("11_stabilizer_leaderboard", "stabilizer leaderboard", "", fig_leaderboard),
     Figure("12_detection_latency", "detection latency", "", fig_latency),
     Figure("13_method_matrix", "failure-mode x stabilizer matrix", "", fig_method_matrix),
+    Figure("12_precision_lead", "precision against lead time", "", fig_precision_lead),
 )
 
 
@@ -476,15 +535,50 @@ def detector_source(main: pd.DataFrame, per_run: pd.DataFrame, experimental: set
                             f"{table['task'].nunique()} non-experimental tasks")
 
 
+REFERENCE_DETECTORS = ("oracle", "injection", "method-prior")  # read no diagnostic: never "the best detector"
+
+
 def _best_detectors(track: pd.DataFrame) -> pd.DataFrame:
-    """Per task, the best built-in detector (the oracle and the injection reference excluded); a task where no run
-    failed has nothing to detect and no row."""
+    """Per task, the built-in detector with the highest skill score (the oracle, injection and method-prior
+    references excluded) and, in `same band`, the others of its rank band (`suite.bands`: their intervals overlap its,
+    directly or through a chain, so they are not ordered against it), with `method-prior`'s score on the task beside
+    it (what knowing the method is worth); a task where no run failed has nothing to detect and no row."""
     if track.empty:
         return track
     track = track.dropna(subset=["score"])
-    best = track[~track["detector"].isin(["oracle", "injection"])].sort_values("score").groupby("task").tail(1)
+    prior = track[track["detector"] == "method-prior"].set_index("task")["score"]
+    track = track[~track["detector"].isin(REFERENCE_DETECTORS)]
+    rows = []
+    for _, group in track.groupby("task"):
+        band = pd.Series(bands.rank_bands(group["score"].tolist(), group["ci_low"].tolist(),
+                                          group["ci_high"].tolist()), index=group.index)
+        top = group.sort_values("score", ascending=False)
+        top = top[band[top.index] == 1] if (band == 1).any() else top.head(1)
+        rows.append(top.iloc[0].to_dict() | {"same band": ", ".join(top["detector"].iloc[1:]) or "-"})
+    best = pd.DataFrame(rows)
+    best["method-prior"] = best["task"].map(prior)
     return best.sort_values("task")[["task", "detector", "diagnostic", "score", "ci_low", "ci_high", "median_lead",
-                                      "warned_before"]]
+                                      "false_alarm_rate", "warned_before", "same band", "method-prior"]]
+
+
+def method_prior_summary(track: pd.DataFrame) -> str:
+    """One sentence reading every detector against `method-prior` (the reference that knows which method ran and
+    how it fares on the task's other seeds, and reads no diagnostic): its mean score, and per detector the tasks on
+    which the detector's interval lies above method-prior's score."""
+    if track.empty or "method-prior" not in set(track["detector"]):
+        return "The method-prior reference was not scored."
+    track = track.dropna(subset=["score"])
+    prior = track[track["detector"] == "method-prior"].set_index("task")["score"]
+    counts = []
+    for name, group in track[~track["detector"].isin(REFERENCE_DETECTORS)].groupby("detector"):
+        above = int((group["ci_low"].to_numpy() > group["task"].map(prior).to_numpy()).sum())
+        counts.append((-above, name, f"{name} {above}"))
+    n = prior.notna().sum()
+    return (f"Read against method-prior, which alarms at onset on an injected run when its method's injected runs "
+            f"mostly failed on the task's other seeds and reads no diagnostic (mean {prior.mean():.1f} over {n} "
+            f"tasks; a detector that does not beat it has not shown that it reads the failure rather than the "
+            f"method), the tasks on which a detector's 95% interval lies above method-prior's score: "
+            + ", ".join(c for *_, c in sorted(counts)) + f" (of {n})")
 
 
 def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None,
@@ -532,6 +626,7 @@ def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = 
     rendered["value:split_detection_summary"] = split_detection_summary(tables["split_detection"])
     rendered["value:detector_note"] = detector_note
     rendered["table:best_detectors"] = markdown_table(_best_detectors(tables["detector_track"]))
+    rendered["value:method_prior_note"] = method_prior_summary(tables["detector_track"])
     rendered["table:best_detectors_experimental"] = markdown_table(
         _best_detectors(tables["detector_track_experimental"]))
     return rendered
@@ -543,7 +638,8 @@ LEADERBOARD = Path("results/leaderboard.csv")
 def tuning_values(out: Path, board: Path = LEADERBOARD) -> dict[str, str]:
     """The default-vs-tuned table (`tables/tuning.md|csv`) from the leaderboard's tuned rows
     (`leaderboard.tuning_table`): per method tuned with a budget, its default's and its tuned setting's aggregate on
-    the scoring seeds, the gain, and its rank among the methods tuned with the same budget (the defaults' beside)."""
+    the scoring seeds, the gain (only against a default from the same run), and its rank band among the methods
+    tuned with the same budget (the defaults' beside)."""
     from stabench.suite import leaderboard
 
     rows = leaderboard.read(board) if board.is_file() else []
@@ -558,11 +654,12 @@ def tuning_values(out: Path, board: Path = LEADERBOARD) -> dict[str, str]:
 
         shown = pd.DataFrame({
             "method": frame["method"], "budget": frame["budget"], "scoring seeds": frame["seeds"],
-            "default setting": frame["default_setting"], "tuned setting": frame["setting"],
+            "default setting": frame["default_setting"].replace("", "-"), "tuned setting": frame["setting"],
             "default IQM [95% CI]": ci("default"), "tuned IQM [95% CI]": ci("tuned"),
-            "gain": frame["gain"].map(lambda g: "-" if pd.isna(g) else f"{g:+.3f}"),
-            "rank (default's)": frame.apply(
-                lambda t: f"{t['rank']} ({int(t['default_rank']) if pd.notna(t['default_rank']) else '-'})", axis=1),
+            "gain": frame.apply(lambda t: "no default in the same run" if not t["has_default"] else
+                                "-" if pd.isna(t["gain"]) else f"{t['gain']:+.3f}", axis=1),
+            "band (default's)": frame.apply(lambda t: "{} ({})".format(
+                *("-" if pd.isna(t[k]) else int(t[k]) for k in ("band", "default_band"))), axis=1),
             "tuning seeds": frame["tuning_seeds"],
             "spent (configurations, runs, CPU-s)": frame.apply(
                 lambda t: f"{t['configurations']}, {t['runs']}, {t['cpu_seconds']}", axis=1),
@@ -700,6 +797,8 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
                 paths = fig_leaderboard(main, out, views)
             elif figure.draw is fig_latency:
                 paths = fig_latency(detectors[0], out, detectors[1])
+            elif figure.draw is fig_precision_lead:
+                paths = fig_precision_lead(detectors[0], out, detectors[1])
             elif figure.draw is fig_failure_map:
                 paths = fig_failure_map(detectors[0], out)
             else:

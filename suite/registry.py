@@ -3,7 +3,9 @@
 A name resolves, in order, to a built-in, to a Python entry point of an installed package (groups
 `stabench.tasks`, `stabench.stabilizers`, `stabench.detectors`), or to a reference of the form
 `path/to/file.py:ClassName` or `package.module:ClassName`. Built-ins are named by import path so that
-`stabench list` and the CLI's argument checks stay fast until a class is actually needed.
+`stabench list` and the CLI's argument checks stay fast until a class is actually needed. A stabilizer named
+`verl:NAME` is verl's registered policy loss NAME, `verl:path/to/file.py:function` a function of verl's signature
+(`baselines/stabilizers/verl_losses.py`).
 """
 
 from __future__ import annotations
@@ -146,6 +148,13 @@ BUILTIN_STABILIZERS: dict[str, str] = {
     "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
     "r2m-features": "stabench.baselines.stabilizers.reward_models:R2MFeatures",
     "tool-state-groups": "stabench.baselines.stabilizers.tool_states:ToolStateGroups",
+    "cispo": "stabench.baselines.stabilizers.objectives:CISPO",
+    "gspo": "stabench.baselines.stabilizers.objectives:GSPO",
+    "sapo": "stabench.baselines.stabilizers.objectives:SAPO",
+    "clip-cov": "stabench.baselines.stabilizers.entropy:ClipCov",
+    "kl-cov": "stabench.baselines.stabilizers.entropy:KLCov",
+    "icepop": "stabench.baselines.stabilizers.importance:IcePop",
+    "m2po": "stabench.baselines.stabilizers.importance:M2PO",
 }
 
 BUILTIN_DETECTORS: dict[str, str] = {
@@ -160,11 +169,17 @@ BUILTIN_DETECTORS: dict[str, str] = {
     "random-20": "stabench.suite.detectors:RandomAlarm20",
     "oracle": "stabench.suite.detectors:Oracle",
     "injection": "stabench.suite.detectors:Injection",
+    "method-prior": "stabench.suite.detectors:MethodPrior",
+    "logistic-z": "stabench.suite.crossfit:LogisticZ",
 }
-# Detectors scored from the run's metadata at scoring time (the ground truth, the injection), not from rows.
-SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection")
+# Detectors scored from the run's metadata at scoring time (the ground truth, the injection, the method's failures on
+# other seeds), not from rows.
+SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection", "method-prior")
+# Learned detectors (they declare `Detector.fit`): cross-fitted over a finished run's rows (`suite.crossfit`).
+LEARNED_DETECTORS: tuple[str, ...] = ("logistic-z",)
 # Detectors whose alarms a run records.
-DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS if d not in SCORED_DETECTORS)
+DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS
+                                           if d not in SCORED_DETECTORS and d not in LEARNED_DETECTORS)
 
 BUILTIN_TASKS: dict[str, str] = {name: ref for name, (ref, _) in discover_tasks().items()}
 
@@ -216,6 +231,7 @@ def load_object(ref: str) -> Any:
 # `path/to/fix.py:Fix@max_norm=2`. It names a class whose attributes hold that setting; the run records the method
 # as `<name>@<setting>`, so a method's default and another setting of it sit side by side in one run.
 SETTING_MARK = "@"
+VERL_PREFIX = "verl:"  # a method that runs a verl policy loss (`resolve_class`)
 
 
 def split_setting(ref: str) -> tuple[str, str | None]:
@@ -307,6 +323,8 @@ def canonical(name: str) -> str:
     base, setting = split_setting(name)
     if setting is not None:
         return f"{canonical(base)}{SETTING_MARK}{setting}"
+    if name.startswith(VERL_PREFIX) and is_reference(name[len(VERL_PREFIX):]):  # verl:file.py:function
+        return VERL_PREFIX + canonical(name[len(VERL_PREFIX):])
     target, sep, attr = name.rpartition(":")
     if sep and (target.endswith(".py") or "/" in target):
         return f"{Path(target).expanduser().resolve()}:{attr}"
@@ -330,6 +348,10 @@ def resolve_class(kind: str, name: str) -> type:
     builtins, group, base = _KINDS[kind]
     if kind == "stabilizer" and split_setting(name)[1] is not None:
         return setting_class(*split_setting(name))[0]
+    if kind == "stabilizer" and name.startswith(VERL_PREFIX):  # a verl policy loss (stabilizers/verl_losses.py)
+        from stabench.baselines.stabilizers.verl_losses import method_class
+
+        return method_class(name[len(VERL_PREFIX):])
     if name in builtins:
         cls = load_object(builtins[name])
     elif kind == "task" and name in _REGISTERED_TASKS:

@@ -37,7 +37,8 @@ if "RAY_AUTH_MODE" not in os.environ and (
     os.environ["RAY_AUTH_MODE"] = "token"  # Ray reads this at import; a client never switches it on itself
 from ray import tune  # noqa: E402  (after the environment Ray reads at import)
 from stabench.suite import registry  # noqa: E402
-from stabench.suite.api import REFERENCE_METHODS, StabenchError  # noqa: E402
+from stabench.suite.api import StabenchError  # noqa: E402
+from stabench.suite.fingerprint import describe, differing, machine_fingerprint, machine_id, same_machine  # noqa: E402
 from stabench.suite.results import MANIFEST, METRICS, TRIALS  # noqa: E402, F401  (the public names)
 from stabench.suite.trial import SUITE_VERSION, TrialSpec, cell_name, digest, run_trial  # noqa: E402, F401  (the public names)
 
@@ -98,8 +99,8 @@ class ExperimentSpec:
                 for cell in cells:
                     registry.get_task(name, **cell)  # a bad cell fails here, before anything runs
             budget = task.budget(self.tier)
-            # a default sweep runs each task's own methods and the references that anchor the floor
-            own = everything or (self.methods if self.methods is not None else (*task.methods, *REFERENCE_METHODS))
+            # a default sweep runs what a row is scored against: the baseline, the matched fix and the references
+            own = everything or (self.methods if self.methods is not None else task.default_methods())
             methods = list(dict.fromkeys([*own, *self.stabilizers]))
             usable, idle = [], []
             for method in methods:
@@ -129,7 +130,11 @@ class ExperimentSpec:
         if self.grid and not gridded:
             raise StabenchError(f"no requested task has a grid named {self.grid!r}")
         for det in self.detectors:
-            registry.resolve_class("detector", det)
+            from stabench.suite.crossfit import is_learned
+
+            if is_learned(registry.resolve_class("detector", det)):  # fitted on other runs: scored, not recorded
+                raise StabenchError(f"detector {det!r} is learned (it declares `fit`): a run does not record it; "
+                                    "score it cross-fitted on the finished run: `stabench score DIR --detector ...`")
         return out, identity
 
 
@@ -188,7 +193,8 @@ def _tune_trainable(config: dict) -> None:
         table.to_parquet(Path(tmp) / "rows.parquet", index=False)
         status = "diverged" if (table["status"] == "diverged").any() else "ok"
         tune.report(
-            {"done": True, "status": status, "seconds": time.time() - started, "rows": len(table)},
+            {"done": True, "status": status, "seconds": time.time() - started, "rows": len(table),
+             "machine": machine_id(machine_fingerprint())},  # the worker's: on a cluster, maybe not the driver's
             checkpoint=tune.Checkpoint.from_directory(tmp),
         )
 
@@ -387,6 +393,7 @@ class Experiment:
             "trials": len(self.trials),
             "identities": [list(i) for i in self.identities],
             **({"tuning": self.tuning} if self.tuning else {}),
+            "fingerprint": machine_fingerprint(),  # the driver's (README, "How a run works": on a cluster)
         }
 
 
@@ -430,10 +437,26 @@ def prepare(out: Path, spec: ExperimentSpec, resume: bool, extend: bool = False,
             raise StabenchError(f"{out} holds a different experiment ({old.get('spec')}); rerun its own command")
         if old.get("suite_version") != SUITE_VERSION:
             raise StabenchError(f"{out} was made by suite version {old.get('suite_version')}, this is {SUITE_VERSION}")
+        check_machine(out, old, "resume")
         exp.tuning = old.get("tuning", {})
     elif out.exists() and any(out.iterdir()):
         raise StabenchError(f"{out} already holds files; pass --resume to continue it, or choose another --out")
     return exp
+
+
+def check_machine(out: Path, old: dict, verb: str) -> None:
+    """Refuse to add this machine's rows to a folder made on another (`old`: its manifest): rows are bit-identical
+    only on the same fingerprint, so one folder holds one machine's. A folder made before fingerprints were
+    recorded cannot show where it was made, and is refused too."""
+    here = machine_fingerprint()
+    made = old.get("fingerprint")
+    if not made:
+        raise StabenchError(f"{out} was made before machine fingerprints were recorded (its {MANIFEST} has none), so "
+                            f"its rows cannot be shown to come from this machine ({describe(here)}): rerun it whole")
+    if not same_machine(made, here):
+        raise StabenchError(f"{out} was made on another machine ({describe(made)}) than this one ({describe(here)}; "
+                            f"they differ in {', '.join(differing(made, here))}): one folder holds one machine's rows, "
+                            f"so rerun it whole here, or {verb} it there")
 
 
 def _extension_base(out: Path, spec: ExperimentSpec, replace: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -450,6 +473,7 @@ def _extension_base(out: Path, spec: ExperimentSpec, replace: tuple[str, ...] = 
         raise StabenchError(f"{out} was made by suite version {old.get('suite_version')}, this is {SUITE_VERSION}")
     if old.get("libraries") != library_versions():
         raise StabenchError(f"{out} was made with other library versions ({old.get('libraries')}); rerun it whole")
+    check_machine(out, old, "extend")
     old_spec = {k: v for k, v in old.get("spec", {}).items() if k != "tasks"}
     new_spec = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(spec).items() if k != "tasks"}
     differ = sorted(k for k in new_spec if old_spec.get(k) != new_spec[k])
@@ -597,7 +621,8 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
     copies = copies.assign(_at=[copied[k] for k in zip(copies["task"], copies["knobs"], copies["method"])])
     real, copies = (f.sort_values(["_at", "seed"], kind="stable").drop(columns="_at") for f in (real, copies))
     manifest = exp.manifest
-    first = {"tasks": [*exp.kept, *exp.replaced], "wall_seconds": old_manifest.get("wall_seconds")}
+    first = {"tasks": [*exp.kept, *exp.replaced], "wall_seconds": old_manifest.get("wall_seconds"),
+             "fingerprint": old_manifest.get("fingerprint", {})}
     history = old_manifest.get("sessions") or [first]
     added = [t for t in exp.spec.tasks if t not in exp.kept]
     turned = {(task, method) for task, _, method in exp.narrowed}
@@ -605,7 +630,8 @@ def _join_extension(exp: Experiment, table: pd.DataFrame, trials: pd.DataFrame,
                       if t in exp.kept and (t, m) not in turned})
     session = {"tasks": added, "wall_seconds": seconds, **({"methods": methods} if methods else {}),
                **({"replaced": list(exp.replaced)} if exp.replaced else {}),
-               **({"narrowed": [f"{t} {m}" for t, m in sorted(turned)]} if turned else {})}
+               **({"narrowed": [f"{t} {m}" for t, m in sorted(turned)]} if turned else {}),
+               "fingerprint": manifest["fingerprint"]}
     manifest["sessions"] = [*history, session]
     manifest["wall_seconds"] = round(sum(h["wall_seconds"] or 0.0 for h in manifest["sessions"]), 1)
     return table, pd.concat([real, copies], ignore_index=True), manifest
@@ -627,23 +653,24 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
         t = result.config["trial"]
         key = f"{t['task']}|{t['method']}|{t['seed']}|{cell_name(t.get('knobs', ()))}"
         if result.checkpoint is None:
-            status[key] = ("error", str(result.error).splitlines()[0] if result.error else "no result", math.nan)
+            status[key] = ("error", str(result.error).splitlines()[0] if result.error else "no result", math.nan, "")
             continue
         with result.checkpoint.as_directory() as d:
             frame = pd.read_parquet(Path(d) / "rows.parquet")
-        frames.append(frame)
+        # real runs carry `acts` True; set on each small frame, since inserting a column into the joined table
+        # (hundreds of dtype blocks) draws pandas' PerformanceWarning at the end of every sweep
+        frames.append(frame.assign(acts=True))
         st = "diverged" if (frame["status"] == "diverged").any() else "ok"
         errors = [e for e in frame["error"].unique() if e]
-        status[key] = (st, errors[0] if errors else "", result.metrics.get("seconds", math.nan))
+        status[key] = (st, errors[0] if errors else "", result.metrics.get("seconds", math.nan),
+                       result.metrics.get("machine", ""))
     rows = []
     for spec in expected:
-        st, err, secs = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan))
+        st, err, secs, machine = status.get(spec.key, ("missing", "trial not in the Tune results", math.nan, ""))
         rows.append({**asdict(spec), "detectors": ",".join(spec.detectors), "knobs": cell_name(spec.knobs),
                      "status": st, "error": err,
-                     "seconds": secs, "retries": (retries or {}).get(spec.key, 0)})
+                     "seconds": secs, "retries": (retries or {}).get(spec.key, 0), "machine": machine})
     table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if not table.empty:
-        table["acts"] = True
     if kept is not None:
         table = pd.concat([kept, table], ignore_index=True)
     if not table.empty:
@@ -655,7 +682,7 @@ def collect(results: Any, expected: list[TrialSpec], retries: dict[str, int] | N
             task = registry.get_task(task_ref, **dict(knobs))
             copies.append(base.assign(method=name, method_ref=method_ref, role=task.role(name), acts=False))
             rows += [{"task": task_ref, "method": method_ref, "seed": int(seed), "tier": base["tier"].iloc[0],
-                      "knobs": cell, "status": "identity", "error": "", "seconds": 0.0, "retries": 0}
+                      "knobs": cell, "status": "identity", "error": "", "seconds": 0.0, "retries": 0, "machine": ""}
                      for seed in sorted(base["seed"].unique())]
         table = tidy(pd.concat([table, *copies], ignore_index=True))
     return table, pd.DataFrame(rows)

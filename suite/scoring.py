@@ -26,7 +26,11 @@ timed skill score in the spirit of the Peirce / true skill statistic (hit rate m
   any rate) earns the same credit on positives and negatives: about 0. The `oracle` (alarms at onset on
   the positives) scores 100, an oracle delayed by d iterations 100 (1 - d / H); `injection` (alarms at
   onset on every injected run) scores 50 where some injected runs stay healthy, and an oracle that also
-  alarms on every control run 50;
+  alarms on every control run 50; `method-prior` (alarms at onset on an injected run when its method's injected
+  runs on the task's other seeds mostly failed, never on a control: `method_prior`) is what knowing the method
+  is worth, the reference a detector must beat to show it reads the failure (about 88 on the method matrix);
+- false-alarm rate: the share of healthy runs (controls, and injected runs that stayed healthy) with an alarm at
+  or after onset, reported beside the median lead (`detector_track`; `alarm_summary` for a leaderboard row);
 - 95% interval: percentile bootstrap that resamples seeds within each method (all runs of a resampled
   seed together), numpy with a fixed seed;
 - lead time, per detected positive: visible_at - t_a, where visible_at is the first post-onset iteration
@@ -207,6 +211,11 @@ def stabilizer_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -
                 "acts": bool(group["acts"].all()) if "acts" in group else True,
                 "failure_rate": float(injected["failed"].mean()),
                 "control_failure_rate": float(control["failed"].mean()) if len(control) else math.nan,
+                # the counts behind both rates, for their binomial intervals (`suite.calibration`)
+                "failed_runs": int(injected["failed"].sum()),
+                "runs": int(len(injected)),
+                "control_failed_runs": int(control["failed"].sum()),
+                "control_runs": int(len(control)),
                 "normalized_return": float(np.nanmean(norm)) if np.isfinite(norm).any() else math.nan,
                 "ci_low": low,
                 "ci_high": high,
@@ -348,7 +357,8 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     neither a target nor a false alarm). `first_alarm` is the first iteration >= onset with the alarm
     raised (an alarm held from before onset counts at onset), `credit` = w(first_alarm - onset), `lead`
     = visible_at - first_alarm on detected positives (positive = warned before the return showed it).
-    Every `alarm/<name>` column is scored, plus `oracle` and `injection` from the run's metadata.
+    Every `alarm/<name>` column is scored, plus `oracle`, `injection` and `method-prior` from the run's metadata
+    (`method_prior`).
     """
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
@@ -363,6 +373,7 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
         task = task_of(task_rows, cell)
         diagnostics = {d: _diagnostic_of(d, task) for d in scored}
         runs = {key: run.sort_values("iteration") for key, run in task_rows.groupby(["method", "seed", "variant"])}
+        prior = method_prior({(m, s): failed.get((task_id, m, s, v), False) for m, s, v in runs if v == "injected"})
         for (method, seed, variant), run in runs.items():
             onset, iterations = int(run["onset_iteration"].iloc[0]), int(run["iterations"].iloc[0])
             horizon = iterations - onset
@@ -384,6 +395,10 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
                 elif detector == "injection":
                     first = float(onset) if injected else math.nan
                     alarms = (it == onset) & injected
+                elif detector == "method-prior":
+                    warns = injected and prior.get((method, seed), False)
+                    first = float(onset) if warns else math.nan
+                    alarms = (it == onset) & warns
                 else:
                     column = f"alarm/{detector}"
                     alarms = (run[column].astype("boolean").fillna(False).to_numpy(bool) if column in run
@@ -404,6 +419,22 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
                     "alarm_iterations": int(alarms.sum()), "iterations": len(it),
                 })
     return pd.DataFrame(rows)
+
+
+def method_prior(injected_failed: dict[tuple[str, int], bool]) -> dict[tuple[str, int], bool]:
+    """The `method-prior` reference on one task: for each injected run (method, seed), whether that method's
+    injected runs on the task's other seeds (its own seed left out) mostly failed (more than half); False for a
+    method with no other seed. It knows which method ran and how it fares, and reads no diagnostic."""
+    by_method: dict[str, dict[int, bool]] = {}
+    for (method, seed), fails in injected_failed.items():
+        by_method.setdefault(method, {})[seed] = bool(fails)
+    out = {}
+    for method, seeds in by_method.items():
+        total, n = sum(seeds.values()), len(seeds)
+        for seed, fails in seeds.items():
+            others = n - 1
+            out[(method, seed)] = others > 0 and (total - fails) / others > 0.5
+    return out
 
 
 _PARTS = ("positive", "control", "healthy-injected")
@@ -495,6 +526,8 @@ def detector_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> 
             "healthy_injected_credit": float(totals[4] / totals[5]) if totals[5] else math.nan,
             "detection_rate": float(pos["detected"].mean()) if len(pos) else math.nan,
             "false_alarm_rate": float(neg["detected"].mean()) if len(neg) else math.nan,
+            **{f"false_alarm_rate_{kind.replace('-', '_')}": float(part["detected"].mean()) if len(part) else math.nan
+               for kind in ("control", "healthy-injected") for part in [neg[neg["kind"] == kind]]},
             "median_latency_steps": float(pos["latency_steps"].median()) if len(pos) else math.nan,
             "median_latency_frac": float(pos["latency_frac"].median()) if len(pos) else math.nan,
             "false_alarms_per_1k": 1000 * int(neg["alarm_iterations"].sum()) / negatives if negatives else 0.0,
@@ -507,11 +540,33 @@ def detector_track(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> 
     return out
 
 
+def alarm_summary(runs: pd.DataFrame) -> dict:
+    """One detector's alarms on healthy runs and its warning time, for a leaderboard row: `false_alarm_rate`, the
+    mean over tasks of the share of healthy runs (controls, and injected runs that stayed healthy) with an alarm at
+    or after onset; `median_lead`, the median lead (iterations) over every detected failing run whose failure became
+    visible; and per task [false-alarm rate, median lead] (None where undefined). `runs`: `detector_runs` rows."""
+    per_task, rates = {}, []
+    for task_id, g in runs.groupby("task", sort=True):
+        neg = g[g["kind"].isin(["control", "healthy-injected"])]
+        leads = g.loc[g["kind"] == "positive", "lead"].dropna()
+        rate = float(neg["detected"].mean()) if len(neg) else math.nan
+        rates += [rate] if len(neg) else []
+        per_task[task_id] = [None if math.isnan(rate) else round(rate, 6),
+                             round(float(leads.median()), 6) if len(leads) else None]
+    leads = runs.loc[runs["kind"] == "positive", "lead"].dropna()
+    return {"false_alarm_rate": round(float(np.mean(rates)), 6) if rates else None,
+            "median_lead": round(float(leads.median()), 6) if len(leads) else None, "per_task": per_task}
+
+
 def _diagnostic_of(detector: str, task: Task) -> str:
     if detector == "oracle":
         return f"ground truth ({task.ground_truth.metric})"
     if detector == "injection":
         return "the injection (run metadata)"
+    if detector == "method-prior":
+        return "the method's failures on other seeds (run metadata)"
+    if detector == "logistic-z":
+        return "every visible diagnostic (cross-fitted)"
     if detector in ("never", "always") or detector.startswith("random"):
         return "-"
     return task.detector.metric
@@ -558,8 +613,8 @@ def format_markdown(result: dict) -> str:
     if det:
         det = [{**r, "score [95% CI]": _score_ci(r)} for r in det]
         parts += ["", "### Detector track", "", table(det, ["task", "detector", "diagnostic", "score [95% CI]",
-                                                            "detection_rate", "false_alarm_rate",
-                                                            "median_latency_frac", "median_lead", "warned_before"])]
+                                                            "detection_rate", "median_latency_frac",
+                                                            "false_alarm_rate", "median_lead", "warned_before"])]
     return "\n".join(parts) + "\n"
 
 
@@ -593,8 +648,8 @@ def format_table(result: dict) -> str:
     det = pd.DataFrame(result.get("detector_track", []))
     if not det.empty:
         det["score (95% CI)"] = [_score_ci(r) for r in det.to_dict("records")]
-        cols = ["task", "detector", "diagnostic", "score (95% CI)", "detection_rate", "false_alarm_rate",
-                "median_latency_frac", "median_lead", "warned_before"]
+        cols = ["task", "detector", "diagnostic", "score (95% CI)", "detection_rate", "median_latency_frac",
+                "false_alarm_rate", "median_lead", "warned_before"]
         parts.append("detector track\n" + det[cols].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     return "\n\n".join(parts)
 

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
 from stabench.suite.diagnostics import confidence_gap
 from stabench.tasks.worlds.digits import (
     ALL_ANSWERS,
@@ -148,8 +148,10 @@ def _warm_up() -> nn.Module:
     return fit_old_rule(seeded(_build), WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR, extend=_with_confidence)
 
 
-# The tiny transformer after a supervised warm-up on old-rule answers followed by a confidence digit.
-warm_policy = WarmStart("calibration-collapse", _warm_up, _build)
+# The tiny transformer after a supervised warm-up on old-rule answers followed by a confidence digit (shipped as
+# tasks/warm_starts/calibration-collapse.safetensors; after changing the warm-up: stabench warm-start --retrain).
+warm_policy = WarmStart("calibration-collapse", _warm_up, _build,
+                        sha256="a33453e322bef076a4f184313a7d5ed2b897b9d28d321275120d1a13fab67277")
 
 
 # --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------
@@ -274,7 +276,7 @@ class CalibrationCollapse(Task):
     detector = DetectorSpec(metric="confidence_gap_recent", threshold=0.4, above=True)
     diagnostics = ("grad_norms",)  # confidence_gap is computed in the run: its recent mean reads its history
     privileged = ("heldout_brier", "heldout_ece", "heldout_confidence", "heldout_accuracy", "heldout_valid")
-    provides = frozenset({"confidence"})
+    provides = frozenset({"confidence", POLICY_REUSE})  # POLICY_REUSE: 2 epochs per batch (the digit config)
     return_floor = 0.3595  # frozen-at-onset's post-onset return in the injected world, mean of seeds 0-9
     return_ceiling = 0.8088  # the control's post-onset return, mean of seeds 0-9
     environments = {"stabench/CalibrationCollapse-v0": "CalibrationCollapseEnv"}

@@ -51,7 +51,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import torch
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, GroundTruth, Stabilizer, Task, TrainState
 from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
     BOS,
@@ -177,6 +177,7 @@ class EntropyCollapse(Task):
     family = "reasoning"
     version = "2"
     trainer = "grpo"
+    provides = frozenset({POLICY_REUSE})  # 2 epochs per batch (digits.GRPO_CONFIG): the ratio leaves 1
     budgets = BUDGETS
     ground_truth = GroundTruth(
         metric="gt_expected_distinct", threshold=DISTINCT_FLOOR, fails_when="below", reduce="tail_mean"

@@ -62,7 +62,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.api import (
+    POLICY_REUSE,
+    Budget,
+    DetectorSpec,
+    Figure,
+    GroundTruth,
+    StabenchError,
+    Stabilizer,
+    Task,
+    TrainState,
+)
 from stabench.suite.diagnostics import group_signal, rare_successes
 from stabench.suite.figures import need, side_by_side
 from stabench.tasks.worlds.digits import (
@@ -210,6 +220,7 @@ class HardSampleShortcuts(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
+    provides = frozenset({POLICY_REUSE})  # 2 epochs per batch (digits.GRPO_CONFIG): the ratio leaves 1
     budgets = BUDGETS
     ground_truth = GroundTruth(
         metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"

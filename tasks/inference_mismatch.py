@@ -8,7 +8,7 @@ The world (the digit world's prompts, `tasks.worlds.digits`): a prompt is two di
 training prompts, 8 held out); an answer is 6 digits (6 ** 6 answers). The policy is a tiny GPT-2 (1 layer,
 32 wide, built from a config), warmed up by 100 supervised steps on answers of uniformly drawn digits
 avoiding a and b whose first digit is set to 5 with probability 0.5 (`warm_up`, fixed per task version,
-cached): it takes the risky path often and completes it well, not always.
+shipped as a hash-checked file): it takes the risky path often and completes it well, not always.
 
 What must be learned after onset (both branches). Before onset the old rule pays (every digit avoids a and
 b). From onset `risky_rule` pays: a first digit 5 (the risky path) pays 1 if digits 2-6 avoid a and b, else
@@ -215,8 +215,10 @@ def _warm_up() -> nn.Module:
     return warm_up()
 
 
-# fixed per task version, cached on disk (keyed on this module's source)
-warm_policy = WarmStart("inference-mismatch", _warm_up, _build)
+# fixed per task version, shipped as tasks/warm_starts/inference-mismatch.safetensors (after changing the warm-up:
+# stabench warm-start --retrain inference-mismatch)
+warm_policy = WarmStart("inference-mismatch", _warm_up, _build,
+                        sha256="bd2f51715e9dd676a3416be8bfb97bcd7fd5ea7be07ef6a3140be912486e2f7b")
 
 
 # --- Exact evaluation on the held-out prompts: a tree walk over the risky path's allowed continuations. ----

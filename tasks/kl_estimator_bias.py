@@ -154,7 +154,8 @@ def sample_table(table: np.ndarray, n: int, rng: np.random.Generator) -> np.ndar
 
 def _warm_up_reference() -> nn.Module:
     """The reference's supervised warm-up on table samples. Deterministic: its own seeds, and `WarmStart` trains it
-    on one thread whatever the caller uses (float sums in another order would move it) and caches it."""
+    on one thread whatever the caller uses (float sums in another order would move it); the package ships its
+    result (`stabench warm-start --retrain kl-estimator-bias/reference` trains it again)."""
     table, rng = reference_table(), np.random.default_rng(TABLE_SEED)
     with torch.random.fork_rng():
         torch.manual_seed(TABLE_SEED)
@@ -173,7 +174,8 @@ def _warm_up_reference() -> nn.Module:
 
 # The reference, and the policy's start: each call a fresh model with the warm-up's weights (GRPO freezes its own).
 reference_policy = WarmStart(
-    "kl-estimator-bias/reference", _warm_up_reference, lambda: tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
+    "kl-estimator-bias/reference", _warm_up_reference, lambda: tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL),
+    sha256="cab8a335074bba921fe8842809a0e25be9038dd96a54fc2ee2bcc3a7bf656ac3",
 )
 
 

@@ -319,8 +319,10 @@ def _warm_up() -> ThinkerPolicy:
     return model
 
 
-# The RL start: the policy after the warm-up (deterministic: its own seeds, one thread; cached).
-warm_policy = WarmStart("length-explosion", _warm_up, ThinkerPolicy)
+# The RL start: the policy after the warm-up (deterministic: its own seeds, one thread; shipped as
+# tasks/warm_starts/length-explosion.safetensors).
+warm_policy = WarmStart("length-explosion", _warm_up, ThinkerPolicy,
+                        sha256="3e49b38bb6235a1426dd89e0d747f6cf5819616c5e306d99a6bcf2b5604e7125")
 
 
 # --- Exact quantities: the THINK count is the whole state, so one forward per prompt gives everything. ----
@@ -423,7 +425,7 @@ class LengthExplosion(Task):
     trainer = "grpo"
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
-        "quick": Budget(iterations=100, onset=10, seeds=3),  # 3 seeds: the quick tier's 10 minutes (README)
+        "quick": Budget(iterations=100, onset=10, seeds=5),
         "full": Budget(iterations=200, onset=10, seeds=10),
     }
     # Failure: the exact gold accuracy on the 25 new problems, averaged over the last quarter of the run, below 0.4.

@@ -68,7 +68,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task
 from stabench.suite.diagnostics import DIAGNOSTICS
 from stabench.suite.figures import lines, need
 from stabench.tasks.worlds.scaffold import OnsetKnobs
@@ -173,6 +173,7 @@ class MissingCritic(Task):
     family = "reasoning"
     version = "4"  # chain of 10 (8), onset 11 (7), 45 quick iterations (60); v3: 60 iterations, lambda 0.8
     trainer = "grpo"
+    provides = frozenset({POLICY_REUSE})  # 2 minibatch steps per batch: the second one's ratio leaves 1
     budgets = {
         "smoke": Budget(iterations=6, onset=3, seeds=1, report_every=1),
         "quick": Budget(iterations=45, onset=11, seeds=5),

@@ -9,8 +9,8 @@ training prompts); an answer is 6 digits. Its rule is not linear in the prompt: 
 c = (a + b) mod 6 (`banned`). The policy is a tiny Mixtral built from a config (`TinyMoE`: vocabulary 7, hidden
 32, 1 layer, 6 experts, top-1 routing, jitter 0, expert weights scaled by 5 at init so that an expert's output
 outweighs the rest of the residual stream; never downloaded). Its warm-up (300 supervised steps, fixed per task
-version, cached by `tasks.worlds.tokens.WarmStart`) writes answers avoiding c, their first digit set to 5 with
-probability 0.5, and supervises every router to send a prompt's tokens to expert c (cross-entropy on the router
+version, shipped as a file, `tasks.worlds.tokens.WarmStart`) writes answers avoiding c, their first digit set to 5
+with probability 0.5, and supervises every router to send a prompt's tokens to expert c (cross-entropy on the router
 logits, weight 0.3), so each expert learns to write for one banned digit, as the experts of a trained MoE
 specialize. The frozen reference is that warm start (unused: beta 0).
 
@@ -337,8 +337,10 @@ def _warm_up() -> nn.Module:
     return warm_up()
 
 
-# fixed per task version, cached on disk (keyed on this module's source)
-warm_policy = WarmStart("moe-routing", _warm_up, tiny_moe)
+# fixed per task version, shipped as tasks/warm_starts/moe-routing.safetensors (after changing the warm-up:
+# stabench warm-start --retrain moe-routing)
+warm_policy = WarmStart("moe-routing", _warm_up, tiny_moe,
+                        sha256="82fa6b40077cfbc1b24b1d5ae9ac20cbdf58334085ec41c53fe5da455b7f8e04")
 
 
 # --- Exact evaluation: a tree walk over the risky path's allowed continuations. ----------------------------

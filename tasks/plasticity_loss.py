@@ -55,7 +55,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
 from stabench.suite.diagnostics import group_means, group_signal
 from stabench.suite.figures import fix_against_baseline
 from stabench.tasks.worlds.digits import (
@@ -176,6 +176,7 @@ class PlasticityLoss(Task):
     family = "reasoning"
     version = "1"
     trainer = "grpo"
+    provides = frozenset({POLICY_REUSE})  # 2 epochs per batch (digits.GRPO_CONFIG): the ratio leaves 1
     budgets = {
         "smoke": Budget(iterations=6, onset=2, seeds=1, report_every=1),
         "quick": Budget(iterations=60, onset=3, seeds=5),

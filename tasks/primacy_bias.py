@@ -79,8 +79,7 @@ Mechanism, as measured (quick tier, seeds 0-9, medians):
   run once after the settings were frozen, are the never-used check.
 
 Calibration numbers per seed set, commands and verdicts: results/calibration.md (runs in
-results/calibration/primacy-bias/). The quick tier runs this task on 3 seeds (the 10 minutes); calibration and
-the matrix run 10.
+results/calibration/primacy-bias/). The quick tier runs this task on 5 seeds; calibration and the matrix run 10.
 """
 
 from __future__ import annotations
@@ -708,7 +707,7 @@ class PrimacyBias(Task):
     trainer = "ppo"
     budgets = {
         "smoke": Budget(iterations=6, onset=2, seeds=1, report_every=1),
-        "quick": Budget(iterations=120, onset=40, seeds=3),  # 3 seeds: the quick tier's 10 minutes (docstring)
+        "quick": Budget(iterations=120, onset=40, seeds=5),
         "full": Budget(iterations=200, onset=40, seeds=10),
     }
     ground_truth = GroundTruth(metric="tracking", threshold=0.75, fails_when="below", reduce="any")

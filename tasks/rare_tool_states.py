@@ -126,7 +126,9 @@ def _warm_up() -> nn.Module:
     return warm_up(ShiftedFormatWorld(), WARMUP_ALT, _targets)
 
 
-warm_policy = WarmStart("rare-tool-states", _warm_up, tools.context_policy)
+# shipped as tasks/warm_starts/rare-tool-states.safetensors (after changing the warm-up: stabench warm-start --retrain)
+warm_policy = WarmStart("rare-tool-states", _warm_up, tools.context_policy,
+                        sha256="59236982a23666e8f55fd85c4fb062e1dc119b0b8ad5f6a798e3676d9731cc87")
 
 # --- Exact evaluation by enumeration: (expected reward in the usual format, in the rare format). ------------
 exact_returns = tools.ExactReturns(ShiftedFormatWorld())

@@ -137,7 +137,7 @@ def reference_distribution_gold() -> float:
     return float((prob * GOLD_ALL).sum())
 
 
-# --- The reference: the tiny transformer fitted to the target marginal (cached, deterministic). ------------
+# --- The reference: the tiny transformer fitted to the target marginal (deterministic, shipped). ------------
 def _warm_up_reference() -> nn.Module:
     """Cross-entropy to the target marginal after a fixed set of prefixes (every 7th answer): no sampling."""
     with torch.random.fork_rng():
@@ -160,7 +160,8 @@ def _warm_up_reference() -> nn.Module:
 # The reference (it writes the keyword with probability about REF_KEYWORD_PROB at every position) and the policy's
 # start: each call a fresh model with the warm-up's weights (GRPO freezes its own).
 reference_policy = WarmStart(
-    "reward-hacking/reference", _warm_up_reference, lambda: tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL)
+    "reward-hacking/reference", _warm_up_reference, lambda: tiny_policy(N_ACTIONS, ANSWER_LEN + 1, **MODEL),
+    sha256="3d312e12c21f2654c5412b1696ec635e596c0d66c00ca7403d62046c5bd2695c",
 )
 
 

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from stabench.baselines.tokens import lm_hidden, sample_answers
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
 from stabench.tasks.worlds.digits import (
     ANSWER_LEN,
     GRPO_CONFIG,
@@ -264,7 +264,7 @@ class RewardModelDrift(Task):
     ground_truth = GroundTruth(
         metric="heldout_accuracy", threshold=ACCURACY_FLOOR, fails_when="below", reduce="tail_mean"
     )
-    provides = frozenset({"rm_features"})
+    provides = frozenset({"rm_features", POLICY_REUSE})  # POLICY_REUSE: 2 epochs per batch (the digit config)
     matched_fix = "r2m-features"
     methods = ("baseline", "r2m-features", "kl-anchor", "entropy-bonus")
     # the RM cannot fit its own labels: threshold chosen on seeds 100-109 only (see the module docstring)

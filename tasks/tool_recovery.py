@@ -147,7 +147,9 @@ def _warm_up() -> nn.Module:
     return warm_up(TimeoutWorld(), WARMUP_TIMEOUT, _targets)
 
 
-warm_policy = WarmStart("tool-recovery", _warm_up, tools.context_policy)
+# shipped as tasks/warm_starts/tool-recovery.safetensors (after changing the warm-up: stabench warm-start --retrain)
+warm_policy = WarmStart("tool-recovery", _warm_up, tools.context_policy,
+                        sha256="a8a475a4728075e16a1687ae0d73c4936333ab740ec02b2413fcd4f692bc0359")
 
 # --- Exact evaluation by enumeration: (expected share of right digits after a usual reply, after a timeout). --
 exact_returns = tools.ExactReturns(TimeoutWorld())
@@ -239,7 +241,7 @@ class ToolRecovery(Task):
     trainer = "tool-ppo"
     budgets = {
         "smoke": Budget(iterations=4, onset=2, seeds=1, report_every=1),
-        "quick": Budget(iterations=160, onset=20, seeds=3),  # 3 seeds: the quick tier's 10 minutes (README)
+        "quick": Budget(iterations=160, onset=20, seeds=5),
         "full": Budget(iterations=200, onset=40, seeds=10),
     }
     ground_truth = GroundTruth(metric="return", threshold=0.8, fails_when="below", reduce="tail_mean", tail=0.25)

@@ -2,7 +2,7 @@
 
 import math
 
-from stabench.suite.calibration import verdicts
+from stabench.suite.calibration import binomial_interval, format_markdown, rate_text, verdicts
 
 
 def _row(method, role, failure, ret, low, high, control_failure=0.0, control_return=0.9):
@@ -52,6 +52,38 @@ def test_a_fresh_seed_run_is_judged_on_its_failure_rates():
     rows[1] = {**rows[1], "failure_rate": 0.3}
     (v,) = verdicts(rows)
     assert not v["meets_rate_checks"]
+
+
+def _counted(rows, n=10, fails=(10, 0, 1, 10, 10)):
+    """The rows with failure counts: baseline, control, fix, no-update, frozen-at-onset failures out of n."""
+    base, fix, *refs = (dict(r) for r in rows)
+    for row, k in zip((base, fix, *refs), (fails[0], fails[2], *fails[3:])):
+        row.update(failed_runs=k, runs=n, failure_rate=k / n)
+    base.update(control_failed_runs=fails[1], control_runs=n, control_failure_rate=fails[1] / n)
+    return [base, fix, *refs]
+
+
+def test_failure_rates_carry_exact_binomial_intervals():
+    low, high = binomial_interval(8, 10)
+    assert math.isclose(low, 0.4439045, abs_tol=1e-6) and math.isclose(high, 0.9747893, abs_tol=1e-6)
+    assert binomial_interval(0, 10)[0] == 0.0 and binomial_interval(10, 10)[1] == 1.0
+    assert rate_text(8, 10) == "8/10 [0.44, 0.97]" and rate_text(0, 0) == "-"
+
+
+def test_margins_count_the_seeds_to_spare_and_flag_a_verdict_within_one_seed_of_the_bar():
+    (v,) = verdicts(_counted(_good()))
+    # references 10/10 (>= 8 needed): 2 spare; baseline 10/10: 2; control 0/10 (<= 1): 1; fix 1/10 (<= 2): 1
+    assert v["margins"] == {"references fail": 2, "baseline fails": 2, "control healthy": 1, "fix helps": 1}
+    assert v["thin"] == []
+    (v,) = verdicts(_counted(_good(), fails=(8, 1, 2, 10, 8)))  # each on the bar: one seed more misses
+    assert v["margins"] == {"references fail": 0, "baseline fails": 0, "control healthy": 0, "fix helps": 0}
+    assert v["thin"] == sorted(v["margins"]) and v["meets_rate_checks"]
+    (v,) = verdicts(_counted(_good(), fails=(7, 0, 0, 10, 10)))  # policy-churn's 7/10 misses by one
+    assert v["margins"]["baseline fails"] == -1 and not v["meets_rate_checks"]
+    (v,) = verdicts(_counted(_good(), fails=(8, 0, 2, 10, 10)))  # the gap to the baseline binds: 8 - 2 = 6
+    assert v["margins"]["fix helps"] == 0
+    text = format_markdown([v])
+    assert "8/10 [0.44, 0.97]" in text and text.rstrip().endswith("| baseline fails, fix helps |")
 
 
 def test_a_run_without_the_references_cannot_meet_the_bar():

@@ -271,3 +271,59 @@ def test_split_detection_summary_counts_verdicts_and_asks_for_an_earlier_warning
     earlier = pd.DataFrame([row(50, 0, 6, 2)])
     assert paper.split_detection_summary(earlier).endswith("in 1 it also warns earlier than both")
     assert "not tested" in paper.split_detection_summary(pd.DataFrame())
+
+
+def test_method_prior_leaves_the_scored_seed_out_and_never_alarms_on_a_control():
+    outcome = {("a", 0): True, ("a", 1): True, ("a", 2): True, ("a", 3): False,  # a fails 3 of 4
+               ("b", 0): True, ("b", 1): False, ("b", 2): False, ("b", 3): False,  # b fails 1 of 4
+               ("c", 0): True, ("c", 1): False}  # c: with its own seed it would be a tie (never more than half)
+    prior = scoring.method_prior(outcome)
+    assert [prior[("a", s)] for s in range(4)] == [True, True, True, True]  # seed 3's others: 3 of 3 failed
+    assert not any(prior[("b", s)] for s in range(4))  # seed 0's others: 0 of 3
+    assert prior[("c", 0)] is False and prior[("c", 1)] is True  # each seed reads only the other one
+    runs = [{"method": m, "seed": s, "variant": v, "fails": v == "injected" and f}
+            for (m, s), f in outcome.items() for v in ("injected", "control")]
+    frame = scoring.detector_runs(make_table(runs)).query("detector == 'method-prior'").set_index(
+        ["method", "seed", "variant"])
+    for (m, s), warns in prior.items():
+        assert frame.loc[(m, s, "injected"), "detected"] == warns
+        assert not frame.loc[(m, s, "control"), "detected"]
+    row = scores(make_table(runs))["method-prior"]
+    assert row["diagnostic"] == "the method's failures on other seeds (run metadata)"
+    assert row["false_alarm_rate_control"] == 0.0 and row["false_alarm_rate_healthy_injected"] == pytest.approx(2 / 5)
+
+
+def test_false_alarm_rate_counts_the_healthy_runs_with_an_alarm_after_onset():
+    """20 seeds: the baseline fails every injected seed, the fix half; the detector alarms after onset on the controls
+    of seeds 0-4 (of 40 controls: 5 baseline + 5 fix), on the fix's healthy injected seeds 0-1, and before onset only
+    on every other run (that is no alarm after onset)."""
+    def alarms(r, it):
+        healthy = r["variant"] == "control" or not positive(r)
+        late = healthy and ((r["variant"] == "control" and r["seed"] < 5) or
+                            (r["variant"] == "injected" and r["seed"] < 2))
+        return (it == ONSET + 3) & late | (it == ONSET - 2)
+
+    table = make_table(grid(), {"d": alarms})
+    row = scores(table)["d"]
+    assert row["false_alarm_rate_control"] == pytest.approx(10 / 40)
+    assert row["false_alarm_rate_healthy_injected"] == pytest.approx(2 / 10)
+    assert row["false_alarm_rate"] == pytest.approx(12 / 50)
+    summary = scoring.alarm_summary(scoring.detector_runs(table).query("detector == 'd'"))
+    assert summary["false_alarm_rate"] == pytest.approx(12 / 50) and summary["per_task"]["toy"] == [0.24, None]
+    assert summary["median_lead"] is None  # it never warns a failing run
+    result = scoring.score(table)
+    assert "false_alarm_rate  median_lead" in scoring.format_table(result)
+    assert "| false_alarm_rate | median_lead |" in scoring.format_markdown(result)
+
+
+def test_leaderboard_detector_rows_carry_false_alarms_and_lead_and_are_read_against_method_prior(tmp_path):
+    table = pd.concat([run_trial(TrialSpec(f"{TOY}:ToyTask", m, s, "smoke"))
+                       for m in ("baseline", f"{TOY}:ToyFix") for s in (0, 1)], ignore_index=True)
+    manifest = {"spec": {"tier": "smoke"}, "suite_version": table["suite_version"].iloc[0]}
+    rows = leaderboard.compute_rows(table, manifest, [], ["cusum", "method-prior"])
+    alarms = json.loads(rows[0]["failures"])
+    assert set(alarms) == {"false_alarm_rate", "median_lead", "per_task"} and set(alarms["per_task"]) == {"toy"}
+    assert 0 <= alarms["false_alarm_rate"] <= 1 and rows[1]["name"] == "method-prior"
+    leaderboard.render_markdown(rows, tmp_path / "LEADERBOARD.md")
+    text = (tmp_path / "LEADERBOARD.md").read_text()
+    assert "Read against `method-prior`" in text and "cusum 0/1 (false alarms" in text

@@ -60,3 +60,34 @@ def test_reference_detectors():
     for cls, expected in ((RandomAlarm1, 0.01), (RandomAlarm, 0.05), (RandomAlarm20, 0.20)):
         detector = cls(seed=3)
         assert abs(np.mean([detector.update({}) for _ in range(20000)]) - expected) < 0.01, cls.name
+
+
+def test_the_warm_up_is_capped_at_the_onset_and_never_reads_a_post_onset_row():
+    rows = [{"x": v} for v in (1.0, 2.0, 3.0, 100.0, 100.0, 100.0)]
+    capped = CalibratedThreshold("x", 5, onset=3)  # warm-up 5 asked, 3 pre-onset rows: those 3
+    assert first_alarm(capped, rows) == 3 and capped.mu == 2.0 and capped._seen == [1.0, 2.0, 3.0]
+    assert first_alarm(CalibratedThreshold("x", 5), rows) is None  # uncapped, the shift itself became "healthy"
+    gap = Cusum("x", 3, onset=3)  # a missing pre-onset value is not replaced by a post-onset one
+    first_alarm(gap, [{"x": math.nan}, {"x": 1.0}, {"x": 3.0}, {"x": 50.0}])
+    assert gap._seen == [1.0, 3.0] and gap.mu == 2.0
+    lone = PageHinkley("x", 3, onset=1)  # one pre-onset row: no healthy statistics, never an alarm
+    assert first_alarm(lone, [{"x": 1.0}] + [{"x": 1e6}] * 30) is None and math.isnan(lone.sigma)
+
+
+def test_every_built_in_reads_healthy_statistics_from_pre_onset_rows_only_on_every_task():
+    from stabench.suite import registry
+
+    for name in sorted(registry.BUILTIN_TASKS):
+        task = registry.get_task(name)
+        budget = task.budget("quick")
+        for cls in (CalibratedThreshold, Cusum, PageHinkley):
+            detector = cls.for_task(task, budget)
+            metric = task.detector.metric
+            stream = [{metric: float(i % 3), "iteration": i} for i in range(budget.onset)]
+            stream += [{metric: 1e3 + i, "iteration": budget.onset + i} for i in range(40)]
+            for row in stream:
+                detector.update(row)
+            assert detector.onset == budget.onset and len(detector._seen) <= budget.onset, (name, cls.name)
+            assert all(v < 3 for v in detector._seen), (name, cls.name)  # no post-onset value entered them
+            if budget.onset < 2:  # reward-model-drift (onset 1): no statistics from one row, silent
+                assert math.isnan(detector.sigma), name

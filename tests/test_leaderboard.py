@@ -10,6 +10,7 @@ import pytest
 from conftest import TOY
 from stabench.suite import detectors, leaderboard, scoring
 from stabench.suite.cli import main
+from stabench.suite.fingerprint import machine_fingerprint
 from test_cli import toy_run_folder
 from test_harness import toy_trial
 
@@ -53,7 +54,8 @@ def test_a_replayed_detector_reads_only_the_rows_the_track_scores(monkeypatch):
 def test_verify_names_a_folder_no_row_came_from_and_still_fails_on_a_mismatch(capsys, tmp_path, monkeypatch):
     run, other, board = tmp_path / "run", tmp_path / "other", tmp_path / "leaderboard.csv"
     table = toy_run_folder(run)
-    manifest = {"spec": {"tier": "smoke"}, "suite_version": table["suite_version"].iloc[0]}
+    manifest = {"spec": {"tier": "smoke"}, "suite_version": table["suite_version"].iloc[0],
+                "fingerprint": machine_fingerprint()}  # built-in rows of one machine: no note on machines
     leaderboard._write(board, leaderboard.compute_rows(table, manifest, ["baseline"], ["cusum"]))
     shutil.copytree(run, other)
     table.iloc[:-1].to_parquet(other / "metrics.parquet")  # another table: no row was computed from it

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.smoke
 DATA = Path(__file__).parent / "data" / "paper_results"
 TEMPLATE = Path(__file__).resolve().parents[1] / "paper" / "paper.template.md"
 DRAWN = ["01_failure_mode_map", "02_kl_estimators", "03_layer_gradient_heatmap", "07_staleness_grid",
-         "09_entropy", "11_stabilizer_leaderboard", "12_detection_latency"]
+         "09_entropy", "11_stabilizer_leaderboard", "12_detection_latency", "12_precision_lead"]
 SKIPPED = ["return and head certainty", "policy-gradient variance", "reasoning length and accuracy",
            "policy churn", "tool-state ratio tails"]
 
@@ -127,7 +127,8 @@ def test_the_stabilizer_figure_ranks_only_methods_on_the_common_default_set_and_
     assert list(ranking["method"]) == ["fix", "baseline"] and "method matrix" in note
     assert set(apart["task"]) == {"exp-x"}
     shown = paper.ranking_table(ranking)
-    assert list(shown.columns) == ["method", "tasks", "IQM [95% CI]", "P(improve) [95% CI]", "failure rate"]
+    assert list(shown.columns) == ["band", "method", "tasks", "IQM [95% CI]", "P(improve) [95% CI]", "failure rate"]
+    assert list(shown["band"]) == [str(int(b)) for b in ranking["band"]]  # rank bands (suite.bands), by band
     assert all(isinstance(v, str) and "'" not in v for v in shown.to_numpy().ravel())  # no Python lists in cells
     assert shown.loc[0, "tasks"] == "2 (acts on 1)"
 

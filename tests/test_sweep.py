@@ -48,7 +48,7 @@ def folder_digest(folder: Path) -> dict[str, str]:
 
 def methods_of(task) -> set[str]:
     extra = {"spike-skip"} if registry.make_stabilizer(STABILIZER).applies_to(task) else set()
-    return set(task.methods) | set(REFERENCE_METHODS) | extra  # a default sweep runs both references too
+    return set(task.default_methods()) | extra  # baseline, matched fix and both references
 
 
 def test_smoke_sweep_writes_one_tidy_row_per_trial_iteration(smoke_sweep):

@@ -122,7 +122,8 @@ def test_the_tuned_setting_runs_on_the_scoring_seeds_and_its_row_says_how_it_was
     table_rows = leaderboard.tuning_table(leaderboard.read(board))
     assert len(table_rows) == 1
     row = table_rows[0]
-    assert (row["method"], row["budget"], row["rank"], row["default_rank"]) == ("toy-clip", 2, 1, 1)
+    assert (row["method"], row["budget"], row["band"], row["default_band"]) == ("toy-clip", 2, 1, 1)
+    assert row["has_default"]  # the default row comes from the same run
     assert row["default_setting"] == "max_norm=50" and row["tuning_seeds"] == "1000-1001"
     assert row["gain"] == pytest.approx(float(rows[name]["aggregate"]) - float(rows["toy-clip"]["aggregate"]))
 
@@ -144,9 +145,10 @@ def test_tuned_rows_are_ranked_only_against_the_same_budget_and_rows_only_on_the
             _tuned_copy(base, "a@x=1", 0.6, 2), _tuned_copy(base, "b@x=2", 0.55, 2),  # budget 2: a overtakes b
             _tuned_copy(base, "a@x=3", 0.1, 8)]  # budget 8: ranked alone
     ranked = {(t["method"], t["budget"]): t for t in leaderboard.tuning_table(rows)}
-    assert (ranked[("a", 2)]["rank"], ranked[("a", 2)]["default_rank"]) == (1, 2)  # the rank flips under tuning
-    assert (ranked[("b", 2)]["rank"], ranked[("b", 2)]["default_rank"]) == (2, 1)
-    assert ranked[("a", 2)]["gain"] == pytest.approx(0.4) and ranked[("a", 8)]["rank"] == 1
+    # zero-width intervals (no overlap): every row a band of its own, and the band flips under tuning
+    assert (ranked[("a", 2)]["band"], ranked[("a", 2)]["default_band"]) == (1, 2)
+    assert (ranked[("b", 2)]["band"], ranked[("b", 2)]["default_band"]) == (2, 1)
+    assert ranked[("a", 2)]["gain"] == pytest.approx(0.4) and ranked[("a", 8)]["band"] == 1
     path = tmp_path / "LEADERBOARD.md"
     leaderboard.render_markdown(rows, path)
     text = path.read_text()

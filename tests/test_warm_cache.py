@@ -1,4 +1,5 @@
-"""The warm-start cache: a hit gives the trained weights bit for bit, any change of source trains afresh."""
+"""The run-time warm-start cache (plugin tasks' warm starts; the built-in ones ship as files, test_warm_starts.py):
+a hit gives the trained weights bit for bit, any change of source trains afresh."""
 
 from __future__ import annotations
 

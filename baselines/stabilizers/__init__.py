@@ -15,4 +15,5 @@ routing.py         Mixture-of-Experts routing replay (routing-replay: the sample
 reward_models.py   learned-reward ensembles (conservative-ensemble)
 rewards.py         terms added to the task's reward (brier-reward)
 tool_states.py     tool-state tokens apart from text tokens (tool-state-groups)
+verl_losses.py     verl's policy losses as the policy term, unchanged (verl:NAME, verl:FILE.py:FUNCTION; needs .[verl])
 """

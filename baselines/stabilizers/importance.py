@@ -44,6 +44,23 @@ engine, and the tasks with a sampler of their own), and elsewhere their runs are
       A_t = rho_t (r_t + gamma v_{t+1} - V_t),
   episode ends cutting the recursion as in the trainer's GAE, V the learner's values. The critic regresses
   on v_t, and the policy term is the clipped surrogate around pi_old: sum_t w_t max(-A r', -A clip(r')).
+- `icepop` (IcePop, Ring-1T, "Every Step Evolves", arXiv 2510.18855, the IcePop objective): token-mis with a
+  two-sided band, the train/inference ratio k = pi_old / q kept only inside [alpha, beta],
+      L = sum_t w_t M(k_t) max(-A r', -A clip(r')),   M(k) = k if alpha <= k <= beta else 0,
+  alpha = 0.5, beta = 5 (the Ring-1T report's and IcePop blog's bounds; we could not read the report's settings
+  table itself). It is `TokenMIS` with a floor: the same weight, term and aggregation, beta in place of C.
+- `m2po` (M2PO, Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161; AReaL's `m2_threshold`): the
+  trust region of stale data is the second moment of the log-ratio to the behaviour policy, not a clip. Per
+  update, over the minibatch's real tokens with log rho_t = logp_t - log q_t (pi_theta detached, as the paper's
+  M2 = mean (log pi_theta / pi_behav)^2), the tokens with the largest (log rho)^2 are masked, largest first, until
+  the mean over the rest is below tau (if none is, one token stays, as AReaL); then
+      L = sum_t w_t m_t (-A_t rho_t),   rho_t = pi_theta / q (unclipped),   tau = 0.04
+  (the paper's tau_M2; AReaL's `examples/math/gsm8k_m2po.yaml`, `m2_threshold: 0.04`). A masked token keeps its
+  w_t in the denominator (AReaL keeps the unmasked count). With pi_theta = pi_old = q it is the trainer's first
+  update, but it replaces the clip on every later one, so, like the corrections above, it acts only where
+  something else samples (`behaviour_policy`), the setting it was made for. AReaL computes the mask once per
+  micro-batch loss call against its recomputed pi_old; here the loss hook sees the update's minibatch and the
+  current pi_theta (equal to pi_old on its first update).
 """
 
 from __future__ import annotations
@@ -100,6 +117,66 @@ class TokenMIS(TokenTIS):
 
 class SequenceMIS(SequenceTIS, TokenMIS):
     name = "seq-mis"  # SequenceTIS's log_weight (the answer's summed log-ratio), TokenMIS's mask
+
+
+def band_weight(log_weight: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """IcePop's M(k): k = exp(log_weight) where low <= k <= high, else 0 (per action)."""
+    k = torch.exp(log_weight)
+    return torch.where((k >= low) & (k <= high), k, torch.zeros_like(k))
+
+
+class IcePop(TokenMIS):
+    """token-mis with a floor: pi_old / q kept inside [0.5, 5], the token masked outside (see the module)."""
+
+    name = "icepop"
+    min_weight: float = 0.5  # alpha
+    max_weight: float = 5.0  # beta
+    search_space = {"min_weight": tune.uniform(0.1, 0.9), "max_weight": tune.loguniform(1.5, 20.0)}
+
+    def weight(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """M(pi_old / q): the ratio where it lies in [alpha, beta], else 0."""
+        return band_weight(self.log_weight(batch), self.min_weight, self.max_weight)
+
+
+def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Bool per action: the real actions M2PO keeps. The real actions' (log_ratio)^2 sorted in decreasing order, the
+    largest are dropped until the mean of the rest is below `threshold` (at least one kept), as AReaL's
+    `_get_m2po_loss_mask`; padding is never kept."""
+    real = mask > 0
+    second = log_ratio.detach()[real] ** 2
+    keep = torch.zeros_like(real)
+    if second.numel() == 0:
+        return keep
+    ordered, order = torch.sort(second, descending=True)
+    rest_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(len(ordered), 0, -1, dtype=ordered.dtype)
+    below = torch.nonzero(rest_mean < threshold)
+    dropped = int(below[0]) if len(below) else len(ordered) - 1
+    kept = torch.ones_like(ordered, dtype=torch.bool)
+    kept[:dropped] = False
+    keep[real] = kept[torch.argsort(order)]
+    return keep
+
+
+def m2po_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              threshold: float) -> torch.Tensor:
+    """Per action -A rho m, rho = exp(logp - behaviour_logp) unclipped, m = `m2po_mask` of log rho."""
+    log_ratio = logp - behaviour_logp
+    keep = m2po_mask(log_ratio, mask, threshold).to(logp.dtype)
+    return -advantages * torch.exp(log_ratio) * keep
+
+
+class M2PO(Stabilizer):
+    """M2PO: the unclipped ratio to the behaviour policy, the largest (log rho)^2 masked until their mean < 0.04."""
+
+    name = "m2po"
+    needs = POLICY_KEYS | {"behaviour_logp", "mask", BEHAVIOUR_POLICY}  # stale or engine-sampled data only
+    threshold: float = 0.04  # tau_M2
+    search_space = {"threshold": tune.loguniform(0.005, 0.5)}
+
+    def loss(self, terms: dict[str, torch.Tensor], batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        per_action = m2po_loss(batch["logp"], batch["behaviour_logp"], batch["advantages"], batch["mask"],
+                               self.threshold)
+        return {**terms, "policy": token_weighted_sum(per_action, batch)}
 
 
 class GeometricMIS(TokenTIS):

@@ -1,6 +1,7 @@
 """What several tasks share, below the tasks: worlds and run scaffolding.
 
-- `tokens`: the token family's tiny policy, sampling, enumeration, answer environments and the warm-start cache.
+- `tokens`: the token family's tiny policy, sampling, enumeration, answer environments and `WarmStart` (the
+  built-in warm starts as shipped, hash-checked files; a plugin's in the run-time cache).
 - `digits`: the digit world eight reasoning tasks train in (prompts, rules, the warm start, exact held-out
   statistics, the GRPO settings and budgets they share).
 - `grids`: flattened MiniGrid rooms for the grid family.

@@ -6,7 +6,8 @@ answer is 3 tokens from the same 6 digits (216 answers, all enumerable). The old
 that uses neither a nor b; the new rule (`correct_new`), which every digit task asks both branches to learn after
 onset, also bans the digit 5. The policy is a tiny GPT-2 (1 layer, 32 wide, built from a config) warmed up by a
 short supervised phase on uniformly drawn old-rule answers of the training prompts (`warm_policy`, fixed per
-version, cached on disk); it is also the frozen reference. Held-out statistics are exact, by enumeration.
+version, shipped as a hash-checked file); it is also the frozen reference. Held-out statistics are exact, by
+enumeration.
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ def _warm_up() -> nn.Module:
 
 
 # The tiny transformer after a supervised warm-up on uniformly drawn old-rule answers of the training prompts.
-# Deterministic (its own seeds and one thread whatever the caller uses). The cache name is entropy-collapse's,
-# the task this world was first written for.
-warm_policy = WarmStart("entropy-collapse", _warm_up, _build)
+# Deterministic (its own seeds and one thread whatever the caller uses); shipped as
+# tasks/warm_starts/entropy-collapse.safetensors (after changing the warm-up: stabench warm-start --retrain). Its
+# name is entropy-collapse's, the task this world was first written for.
+warm_policy = WarmStart("entropy-collapse", _warm_up, _build,
+                        sha256="248d67f2c7d5334403f321f33cb97191fb4b6adbade9e55eff4d51b4d40f14e6")
 
 
 # --- Exact evaluation on the held-out prompts (one batched forward). --------------------------------------
