@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Regenerate every committed number on one machine, in one go (issue on comparable rows, item 6).
+#
+#   bash results/regenerate.sh [STEP ...]      steps: check quick matrix tuning tuned calibration grid leaderboard paper
+#
+# Run it from a clean checkout, installed as the README says, on a quiet 2-core machine, after the last change that
+# moves rows: every folder then carries the same machine fingerprint (manifest.json), and `--resume`/`--extend` refuse
+# to mix another machine's rows into them. A step writes only its own folders; run the steps in this order (tuned
+# reads tuning; leaderboard reads matrix and tuned; paper reads everything). Time on 2 cores, from the last
+# regeneration's records (bench/RESULTS.md): quick about 10 min, matrix 2-3 h, tuning about 8 min, tuned about
+# 25 min, calibration about 40 min, grid a few minutes, leaderboard about 10 min, paper about 5 min.
+# After it: reprint the tables of results/calibration.md with `stabench score DIR --calibration` (their commands are
+# in that file), state any verdict within one seed of the bar (`spare seeds` 0) there, in the task's docstring and in
+# the paper, and re-time the quick tier in bench/RESULTS.md, row 4.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+S="${STABENCH:-.venv/bin/stabench}"
+PY="${PYTHON:-.venv/bin/python}"
+TUNED_METHODS=(kl-anchor entropy-bonus clip-higher token-tis grad-clip)
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(check quick matrix tuning tuned calibration grid leaderboard paper)
+
+fresh() {  # a folder is replaced whole, never extended across machines
+  rm -rf "$1"
+}
+
+for step in "${steps[@]}"; do
+  echo "== $step ($(date -u +%FT%TZ))"
+  case "$step" in
+    check)
+      "$S" warm-start  # every shipped warm start matches its declared sha256
+      "$PY" -c "from stabench.suite.fingerprint import describe, machine_fingerprint; print(describe(machine_fingerprint()))"
+      ;;
+    quick)
+      fresh results/quick
+      "$S" run --tier quick --cpus 2 --out results/quick
+      ;;
+    matrix)
+      fresh results/matrix
+      "$S" run --tier quick --matrix --seeds 10 --cpus 2 --no-tensorboard --out results/matrix
+      ;;
+    tuning)
+      for m in "${TUNED_METHODS[@]}"; do
+        fresh "results/tuning/$m"
+        "$S" tune --method "$m" --budget 4 --seeds 2 --cpus 2
+      done
+      ;;
+    tuned)  # each tuned setting beside its default, the baseline and both references, in one run
+      methods="baseline,no-update,frozen-at-onset"
+      for m in "${TUNED_METHODS[@]}"; do methods="$methods,$m,$m@tuned"; done
+      fresh results/tuned
+      "$S" run --tier quick --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" --out results/tuned
+      ;;
+    calibration)  # fresh seeds 100-109 for every default task; both seed sets for the experimental ones
+      "$PY" - <<'EOF' > /tmp/stabench-calibration-plan.txt
+from stabench.suite import registry
+for name in registry.names("task"):
+    task = registry.get_task(name)
+    fix = task.matched_fix
+    print(task.id, fix, int(task.experimental))
+EOF
+      while read -r task fix experimental; do
+        if [ "$experimental" = 1 ]; then
+          fresh "results/calibration/$task/seeds-0-9"
+          "$S" run --tier quick --tasks "$task" --seeds 10 --cpus 2 --no-tensorboard \
+            --out "results/calibration/$task/seeds-0-9"
+        fi
+        fresh "results/calibration/$task/seeds-100-109"
+        "$S" run --tier quick --tasks "$task" --seeds 10 --seed-start 100 --cpus 2 --no-tensorboard \
+          --methods "baseline,$fix,no-update,frozen-at-onset" --out "results/calibration/$task/seeds-100-109"
+      done < /tmp/stabench-calibration-plan.txt
+      ;;
+    grid)
+      fresh results/staleness-grid
+      "$S" run --tier quick --tasks parallel-staleness --methods baseline --grid staleness --seeds 3 --cpus 2 \
+        --no-tensorboard --out results/staleness-grid
+      ;;
+    leaderboard)  # every built-in stabilizer and detector from the matrix, the tuned settings from their run
+      rm -f results/leaderboard.csv results/LEADERBOARD.md
+      "$S" submit results/matrix
+      for m in "${TUNED_METHODS[@]}"; do  # the tuned setting and, for the tuned table's same-run pairing, its default
+        name=$("$PY" -c "import json; print(json.load(open('results/tuning/$m/tuning.json'))['setting_ref'])")
+        "$S" submit results/tuned --method "$name" --method "$m"
+      done
+      "$S" verify results/matrix results/tuned
+      ;;
+    paper)
+      "$S" paper
+      ;;
+    *)
+      echo "unknown step $step" >&2
+      exit 2
+      ;;
+  esac
+done
