@@ -91,6 +91,18 @@ def margins(rows: dict[str, dict], bar: Bar = BAR) -> dict[str, int | None]:
     return out
 
 
+def _counts(base: dict | None, fix: dict | None, rows: dict[str, dict]) -> dict[str, tuple[int, int]]:
+    """(failed, runs) of the baseline's injected and control runs, the fix's and each reference's, where counted."""
+    counts: dict[str, tuple[int, int]] = {}
+    if base is not None and "runs" in base:
+        counts["baseline"] = (base["failed_runs"], base["runs"])
+        counts["control"] = (base.get("control_failed_runs", 0), base.get("control_runs", 0))
+    for name, row in (("fix", fix), *((m, rows.get(m)) for m in REFERENCE_METHODS)):
+        if row is not None and "runs" in row:
+            counts[name] = (row["failed_runs"], row["runs"])
+    return counts
+
+
 def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
     """One verdict per task of a stabilizer track: each check's outcome (True, False, or None where the run
     lacks the methods it needs) and `meets_bar`, True only when every check passed."""
@@ -132,12 +144,7 @@ def verdicts(stabilizer_rows: list[dict], bar: Bar = BAR) -> list[dict]:
             "fix_return": fix["normalized_return"] if fix else math.nan,
             "reference_failure": min((r["failure_rate"] for r in refs), default=math.nan),
             "reference_return": max((_finite(r["normalized_return"]) for r in refs), default=math.nan),
-            "counts": {name: (r["failed_runs"], r["runs"]) for name, r in
-                       (("baseline", base), ("control", None if base is None else
-                                             {"failed_runs": base.get("control_failed_runs", 0),
-                                              "runs": base.get("control_runs", 0)}),
-                        ("fix", fix), *((m, rows.get(m)) for m in REFERENCE_METHODS))
-                       if r is not None and "runs" in r},
+            "counts": _counts(base, fix, rows),
             "margins": (spare := margins(rows, bar)),
             "thin": sorted(name for name, m in spare.items() if m == 0),
             "checks": checks,

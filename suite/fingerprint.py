@@ -23,6 +23,7 @@ WARM_START_FOLDER = "warm_starts"
 # The fields two machines must share for their rows to be bit-identical; the versions of the other libraries sit in
 # the manifest's `libraries`.
 MACHINE_FIELDS = ("cpu_vendor", "cpu_model", "cpu_capability", "threads", "torch", "python", "os")
+KEY_FIELDS = tuple(f for f in MACHINE_FIELDS if f != "os")  # the OS release changes no float
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -84,9 +85,8 @@ def machine_key(fingerprint: dict | None) -> tuple:
     """What must be equal for two runs to be bit-identical (the OS release is left out: it changes no float)."""
     if not fingerprint:
         return ()
-    fields = [f for f in MACHINE_FIELDS if f != "os"]
     warm = json.dumps(fingerprint.get("warm_starts", {}), sort_keys=True)
-    return (*(str(fingerprint.get(f, "")) for f in fields), warm)
+    return (*(str(fingerprint.get(f, "")) for f in KEY_FIELDS), warm)
 
 
 def machine_id(fingerprint: dict | None) -> str:
@@ -99,8 +99,7 @@ def machine_id(fingerprint: dict | None) -> str:
 
 def differing(a: dict | None, b: dict | None) -> list[str]:
     """The fields of `machine_key` in which two fingerprints differ (`warm_starts` for any warm start)."""
-    fields = [f for f in MACHINE_FIELDS if f != "os"]
-    differ = [f for f in fields if str((a or {}).get(f, "")) != str((b or {}).get(f, ""))]
+    differ = [f for f in KEY_FIELDS if str((a or {}).get(f, "")) != str((b or {}).get(f, ""))]
     return differ + (["warm_starts"] if (a or {}).get("warm_starts", {}) != (b or {}).get("warm_starts", {}) else [])
 
 

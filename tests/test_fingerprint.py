@@ -154,12 +154,18 @@ def test_a_leaderboard_row_carries_its_runs_fingerprint_in_csv_json_and_markdown
 
 
 def test_a_file_with_the_header_before_fingerprint_still_reads_and_grows(tmp_path):
-    committed = ROOT / "results" / "leaderboard.csv"
-    assert next(csv.reader(io.StringIO(committed.read_text()))) == leaderboard.PREVIOUS_COLUMNS
-    rows = leaderboard.read(committed)  # every row's digest as the old code wrote it
+    # the committed rows made before fingerprints, written under the header they were made with
+    committed = [r for r in leaderboard.read(ROOT / "results" / "leaderboard.csv") if r["fingerprint"] == ""]
+    previous = tmp_path / "previous.csv"
+    with previous.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=leaderboard.PREVIOUS_COLUMNS, lineterminator="\n", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(committed)
+    assert next(csv.reader(io.StringIO(previous.read_text()))) == leaderboard.PREVIOUS_COLUMNS
+    rows = leaderboard.read(previous)  # every row's digest as the old code wrote it
     assert rows and all(r["fingerprint"] == "" for r in rows)
     board = tmp_path / "leaderboard.csv"
-    board.write_bytes(committed.read_bytes())
+    board.write_bytes(previous.read_bytes())
     new = _other(rows[0], "new-fix", "1", machine_fingerprint())
     leaderboard._write(board, [*rows, new])  # what a submission writes: the new header, old rows' field empty
     again = leaderboard.read(board)
