@@ -310,7 +310,8 @@ def test_each_applies_exactly_where_its_needs_are_provided() -> None:
 
 
 def test_policy_reuse_follows_the_grpo_tasks_configs() -> None:
-    """A GRPO task declares `policy_reuse` exactly when a GRPO config of its module takes several steps per batch."""
+    """A GRPO task declares `policy_reuse` exactly when a GRPO config of its module takes several steps per batch
+    (clip-asymmetry's injected branch switches to its reuse config at onset: one module, two configs)."""
     for task in tasks():
         if task.trainer != "grpo":
             continue
@@ -318,8 +319,7 @@ def test_policy_reuse_follows_the_grpo_tasks_configs() -> None:
         configs = [v for v in vars(module).values() if isinstance(v, GRPOConfig)]
         assert configs, task.id
         steps = {c.epochs * c.minibatches for c in configs}
-        assert len(steps) == 1, (task.id, steps)
-        assert (POLICY_REUSE in task.provides) == (steps.pop() > 1), task.id
+        assert (POLICY_REUSE in task.provides) == (max(steps) > 1), task.id
 
 
 def test_listed_with_their_settings_and_defaults_inside_the_search_space(capsys) -> None:
