@@ -16,15 +16,15 @@ import argparse
 
 import numpy as np
 import pandas as pd
-from stabench.suite import scoring
 from stabench.suite.figures import markdown_table
+from stabench.suite.outcomes import outcomes as run_outcomes
 
 
 def outcomes(folder: str, tasks: list[str] | None) -> pd.DataFrame:
     table = pd.read_parquet(f"{folder}/metrics.parquet")
     if tasks:
         table = table[table["task"].isin(tasks)]
-    runs = scoring.outcomes(table)
+    runs = run_outcomes(table)
     return runs[runs["acts"]]
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate every committed number on one machine, in one go (issue on comparable rows, item 6).
+# Regenerate every committed number on one machine (issue on comparable rows, item 6).
 #
 #   bash results/regenerate.sh [STEP ...]      steps: check quick matrix tuning tuned calibration grid leaderboard paper
 #
@@ -9,22 +9,40 @@
 # reads tuning; leaderboard reads matrix and tuned; paper reads everything). Time on 2 cores, from the last
 # regeneration's records (bench/RESULTS.md): quick about 10 min, matrix 2-3 h, tuning about 8 min, tuned about
 # 25 min, calibration about 40 min, grid a few minutes, leaderboard about 10 min, paper about 5 min.
+#
+# The whole takes longer than one sitting, so it is resumable: results/regeneration.json records the machine's
+# fingerprint, the commit of the code that moves rows, and each finished step. Run again, the script skips the
+# finished steps and continues an interrupted matrix with `--resume`; it refuses to go on on another machine or after
+# the code under tasks/, baselines/, suite/ or pyproject.toml changed (start over with REGENERATE_FRESH=1).
 # After it: reprint the tables of results/calibration.md with `stabench score DIR --calibration` (their commands are
-# in that file), state any verdict within one seed of the bar (`spare seeds` 0) there, in the task's docstring and in
-# the paper, and re-time the quick tier in bench/RESULTS.md, row 4.
+# in that file), state any verdict within one seed of the bar (`spare seeds` 0) there (results/calibration/margins.csv,
+# written here, carries them to `stabench list`, the leaderboard and the paper), and re-time the quick tier in
+# bench/RESULTS.md, row 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S="${STABENCH:-.venv/bin/stabench}"
 PY="${PYTHON:-.venv/bin/python}"
 TUNED_METHODS=(kl-anchor entropy-bonus clip-higher token-tis grad-clip)
+MARGINS=results/calibration/margins.csv
+STATE=results/regeneration.json
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check quick matrix tuning tuned calibration grid leaderboard paper)
+[ "${REGENERATE_FRESH:-0}" = 1 ] && rm -f "$STATE"
+
+state() {  # begin | done STEP | finished STEP (exit 0 when STEP is recorded finished)
+  "$PY" -m stabench.suite.regeneration "$STATE" "$@"
+}
+state begin
 
 fresh() {  # a folder is replaced whole, never extended across machines
   rm -rf "$1"
 }
 
 for step in "${steps[@]}"; do
+  if [ "$step" != check ] && state finished "$step"; then
+    echo "== $step: finished earlier on this machine ($STATE)"
+    continue
+  fi
   echo "== $step ($(date -u +%FT%TZ))"
   case "$step" in
     check)
@@ -35,9 +53,14 @@ for step in "${steps[@]}"; do
       fresh results/quick
       "$S" run --tier quick --cpus 2 --out results/quick
       ;;
-    matrix)
-      fresh results/matrix
-      "$S" run --tier quick --matrix --seeds 10 --cpus 2 --no-tensorboard --out results/matrix
+    matrix)  # an interrupted matrix (a manifest, no table yet) continues where it stopped
+      if [ -f results/matrix/manifest.json ] && [ ! -f results/matrix/metrics.parquet ]; then
+        "$S" run --tier quick --matrix --seeds 10 --cpus 2 --no-tensorboard --out results/matrix --resume
+      else
+        fresh results/matrix
+        "$S" run --tier quick --matrix --seeds 10 --cpus 2 --no-tensorboard --out results/matrix
+      fi
+      "$S" score results/matrix --calibration --write-margins "$MARGINS" > /dev/null  # seeds 0-9
       ;;
     tuning)
       for m in "${TUNED_METHODS[@]}"; do
@@ -68,6 +91,9 @@ EOF
         fresh "results/calibration/$task/seeds-100-109"
         "$S" run --tier quick --tasks "$task" --seeds 10 --seed-start 100 --cpus 2 --no-tensorboard \
           --methods "baseline,$fix,no-update,frozen-at-onset" --out "results/calibration/$task/seeds-100-109"
+        for dir in results/calibration/"$task"/seeds-0-9 results/calibration/"$task"/seeds-100-109; do
+          if [ -d "$dir" ]; then "$S" score "$dir" --calibration --write-margins "$MARGINS" > /dev/null; fi
+        done
       done < /tmp/stabench-calibration-plan.txt
       ;;
     grid)
@@ -92,4 +118,5 @@ EOF
       exit 2
       ;;
   esac
+  if [ "$step" != check ]; then state done "$step"; fi
 done

@@ -1,8 +1,8 @@
 """stabench: controlled experiments for reinforcement-learning training stability.
 
 The public API: the contract (`Task`, `Stabilizer`, `Detector` and the specs they are built from, `Figure`),
-the registries (`get_task`, `make_stabilizer`, `names`, `register_task`, ...), and `run` and `score` to sweep
-and score from Python as the `stabench` command does. Importing the package registers every gymnasium
+the registries (`discover`, `get_task`, `make_stabilizer`, `names`, `register_task`, ...), and `run` and
+`score` to sweep and score from Python as the `stabench` command does. Importing the package registers every gymnasium
 environment the tasks declare under the `stabench/` namespace (read from their source; a task module is imported
 only when `gym.make` builds its environment).
 
@@ -37,9 +37,7 @@ from stabench.suite.api import (
     TrainState,
 )
 from stabench.suite.registry import (
-    BUILTIN_DETECTORS,
-    BUILTIN_STABILIZERS,
-    BUILTIN_TASKS,
+    discover,
     get_task,
     make_detector,
     make_stabilizer,
@@ -59,8 +57,8 @@ def score(*folders: str | Path) -> dict[str, Any]:
 
 
 __all__ = [
-    "BATCH_SCHEMA", "BEHAVIOUR_POLICY", "BUILTIN_DETECTORS", "BUILTIN_STABILIZERS", "BUILTIN_TASKS", "LOSS_SCHEMA",
-    "POLICY_REUSE", "REFERENCE_METHODS", "Budget", "Detector", "DetectorSpec", "Diverged", "Figure", "GroundTruth",
-    "StabenchError", "Stabilizer", "Task", "ThresholdDetector", "TrainState", "__version__", "get_task",
-    "make_detector", "make_stabilizer", "names", "register_task", "resolve_class", "run", "score",
+    "BATCH_SCHEMA", "BEHAVIOUR_POLICY", "LOSS_SCHEMA", "POLICY_REUSE", "REFERENCE_METHODS", "Budget", "Detector",
+    "DetectorSpec", "Diverged", "Figure", "GroundTruth", "StabenchError", "Stabilizer", "Task", "ThresholdDetector",
+    "TrainState", "__version__", "discover", "get_task", "make_detector", "make_stabilizer", "names",
+    "register_task", "resolve_class", "run", "score",
 ]

@@ -30,6 +30,10 @@ CALIBRATED_TIERS: tuple[str, ...] = ("quick",)
 # Learners that do not learn (`suite.references`): they anchor the floor of the stabilizer track.
 REFERENCE_METHODS: tuple[str, ...] = ("no-update", "frozen-at-onset")
 VARIANTS: tuple[str, ...] = ("injected", "control")
+# A built-in (`suite.registry.discover`) is a class of a built-in module that sets a literal `name` (a task: `id`) in
+# its own body. One that also sets `listed = False` there is left out of the registry, the matrix and `stabench list`
+# (an ablation run by reference, a base that others fill in). Both are read from the source: never inherited.
+LISTED = "listed"
 
 
 class StabenchError(Exception):
@@ -90,16 +94,19 @@ class DetectorSpec:
 class Figure:
     """A figure a task draws for the paper.
 
-    `draw(table, out)` reads the tidy rows of every task in the results (it selects its own; a missing task or
-    column raises `stabench.suite.figures.Skip` with the reason), writes `out/figures/<name>.{pdf,png}` and
-    returns the paths. Figures are numbered by sorting `name`. `caption` is printed under the figure.
+    `name` is a slug (lower-case words joined by hyphens, no number): the paper names the figure's files
+    `<task id>_<name>` and numbers its figures in the order its text shows them, so no number is typed by hand.
+    `draw(table, out, file)` reads the tidy rows of every task in the results (it selects its own; a missing task
+    or column raises `stabench.suite.figures.Skip` with the reason), writes `out/figures/<file>.{pdf,png}` (the
+    name the paper gives it, for `suite.figures.save`) and returns the paths. `caption` is printed under the
+    figure.
     `grid_cells`: the figure also reads rows of a grid's cells (runs made with knobs), which others never see.
     """
 
     name: str
     title: str
     caption: str
-    draw: Callable[[pd.DataFrame, Path], list[Path]]
+    draw: Callable[[pd.DataFrame, Path, str], list[Path]]
     grid_cells: bool = False
 
 
@@ -126,7 +133,8 @@ class Run(Protocol):
 
     Every row carries at least `step` (environment steps or tokens so far), `return` (the task's
     true return, never the injected proxy), `entropy` (mean policy entropy), the task's ground-truth
-    metric, and the diagnostics the task computes.
+    metric, and the diagnostics the task computes: a run that subclasses `suite.diagnostics.DiagnosedRun` writes
+    `train` (its row and the iteration's `TrainState`) and gets the task's declared `diagnostics` appended.
     """
 
     def step(self, injected: bool) -> dict[str, float]: ...
@@ -345,6 +353,9 @@ class Detector:
     """
 
     name: ClassVar[str] = "detector"
+    # True for a placeholder computed at scoring time from the run's metadata (the ground truth, the injection, the
+    # method's record), never from rows: a run does not record its alarms. A literal (read from the source).
+    from_metadata: ClassVar[bool] = False
 
     @classmethod
     def for_task(cls, task: Task, budget: Budget) -> Detector:

@@ -20,7 +20,9 @@ its margin in seeds (`spare`): how many more runs could turn the other way befor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from scipy.stats import binomtest
 from stabench.suite.api import REFERENCE_METHODS
@@ -185,3 +187,85 @@ def _verdict_table(rows: list[dict]) -> str:
             f"{r['reference_return']:.2f} | {verdict} | {'met' if r['meets_rate_checks'] else 'missed'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# The verdicts of the committed calibration runs, one row per task and seed set, written by
+# `stabench score DIR --calibration --write-margins FILE` (results/regenerate.sh) and read by `stabench list`,
+# the leaderboard and the paper, so a thin or missed verdict is stated wherever the task is shown, from data.
+MARGINS_FILE = Path("results") / "calibration" / "margins.csv"
+CALIBRATION_SEEDS = "0-9"  # the seeds floors and ceilings are fixed on; other seed sets are fresh
+MARGIN_COLUMNS = ("task", "seeds", "meets_bar", "meets_rate_checks", "missed", "thin",
+                  *(f"spare: {c}" for c in RATE_CHECKS))
+
+
+def seed_label(seeds: Iterable[int]) -> str:
+    """`0-9` for a contiguous range, else the seeds joined by spaces."""
+    values = sorted({int(s) for s in seeds})
+    if not values:
+        return ""
+    if values == list(range(values[0], values[-1] + 1)) and len(values) > 1:
+        return f"{values[0]}-{values[-1]}"
+    return " ".join(str(v) for v in values)
+
+
+def margin_records(verdict_rows: list[dict], seeds: dict[str, str]) -> list[dict]:
+    """One record per task of `verdicts(...)`, on the seed set `seeds[task]` (a `seed_label`)."""
+    records = []
+    for r in verdict_rows:
+        missed = [name for name, ok in r["checks"].items() if ok is not True]
+        record = {"task": r["task"], "seeds": seeds.get(r["task"], ""), "meets_bar": bool(r["meets_bar"]),
+                  "meets_rate_checks": bool(r["meets_rate_checks"]), "missed": "; ".join(missed),
+                  "thin": "; ".join(r["thin"])}
+        record.update({f"spare: {c}": ("" if r["margins"].get(c) is None else int(r["margins"][c]))
+                       for c in RATE_CHECKS})
+        records.append(record)
+    return records
+
+
+def write_margins(records: list[dict], path: Path) -> None:
+    """Add `records` to the file at `path`, replacing the rows of the same task and seed set (atomically)."""
+    import pandas as pd
+
+    new = pd.DataFrame(records, columns=list(MARGIN_COLUMNS))
+    if path.is_file():
+        old = pd.read_csv(path, dtype=str, keep_default_na=False)
+        keep = ~pd.Series(list(zip(old["task"], old["seeds"]))).isin(set(zip(new["task"], new["seeds"])))
+        new = pd.concat([old[keep.to_numpy()], new.astype(str)], ignore_index=True)
+    first = new["seeds"].astype(str).str.extract(r"^(\d+)")[0].astype(float)  # seed sets in numeric order
+    new = new.astype(str).assign(_first=first).sort_values(["task", "_first", "seeds"]).drop(columns="_first")
+    new = new.reset_index(drop=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    new.to_csv(tmp, index=False)
+    tmp.replace(path)
+
+
+def margin_notes(path: Path | None = None) -> dict[str, str]:
+    """Per task, what its committed calibration says beyond 'met with a seed to spare': checks missed and checks
+    within one seed of the bar, each with its seed set. Tasks with nothing to say are absent; so is everything
+    when the file is absent (a plugin's folder, an installed copy without results)."""
+    import csv
+
+    path = path or repo_root() / MARGINS_FILE
+    if not path.is_file():
+        return {}
+    notes: dict[str, list[str]] = {}
+    with path.open(newline="") as handle:
+        for row in csv.DictReader(handle):
+            said = []
+            missed = [c for c in row["missed"].split("; ") if c and (row["seeds"] == CALIBRATION_SEEDS
+                                                                      or c in RATE_CHECKS)]
+            if missed:  # on fresh seeds only the failure-rate checks apply (the module docstring)
+                said.append(f"missed {'; '.join(missed)}")
+            if row["thin"]:
+                said.append(f"within one seed of the bar: {row['thin']}")
+            if said:
+                notes.setdefault(row["task"], []).append(f"seeds {row['seeds']}: " + "; ".join(said))
+    return {task: " | ".join(parts) for task, parts in notes.items()}
+
+
+def repo_root() -> Path:
+    """The checkout the package runs from (an editable install): where `results/` lies."""
+    import stabench
+
+    return Path(stabench.__file__).resolve().parent.parent

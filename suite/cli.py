@@ -52,6 +52,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     print("tiers:")
     for tier in TIERS:
         print(f"  {tier:<6} {TIER_NOTES.get(tier, '')}: {tier_status(tier)}")
+    from stabench.suite.calibration import margin_notes
+
+    notes = margin_notes()  # the committed calibration's missed and thin verdicts (results/calibration/margins.csv)
     print("tasks:")
     for name in registry.names("task"):
         task = registry.get_task(name)
@@ -61,6 +64,8 @@ def cmd_list(args: argparse.Namespace) -> int:
             f"  {name:<24} {task.family:<10} trainer={task.trainer:<9} fix={task.matched_fix:<22} "
             f"quick: {quick.iterations} it, onset {quick.onset}, {quick.seeds} seeds{flag}"
         )
+        if name in notes:
+            print(f"  {'':<24} calibration: {notes[name]}")
     print("stabilizers (methods), and the tasks where each acts (elsewhere it scores as the baseline):")
     tasks = {n: registry.get_task(n) for n in registry.names("task")}
     from stabench.baselines.stabilizers import verl_losses
@@ -154,14 +159,22 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
-    from stabench.suite import scoring
+    from stabench.suite import formatting, scoring, statistics
     from stabench.suite.results import load_tables
 
     if args.calibration:  # the stabilizer track alone decides the bar
         from stabench.suite import calibration
 
-        print(calibration.format_markdown(calibration.verdicts(scoring.stabilizer_track(load_tables(args.dir)))))
+        table = load_tables(args.dir)
+        verdicts = calibration.verdicts(statistics.stabilizer_track(table))
+        print(calibration.format_markdown(verdicts))
+        if args.write_margins:
+            seeds = {task: calibration.seed_label(group["seed"]) for task, group in table.groupby("task")}
+            calibration.write_margins(calibration.margin_records(verdicts, seeds), Path(args.write_margins))
+            print(f"stabench: {len(verdicts)} verdicts -> {args.write_margins}", file=sys.stderr)
         return 0
+    if args.write_margins:
+        raise StabenchError("--write-margins needs --calibration")
     table = load_tables(args.dir)
     if args.detector:  # replay new detectors over the stored rows: no training
         from stabench.suite import detectors, registry
@@ -171,9 +184,9 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=True))
     elif args.markdown:
-        print(scoring.format_markdown(result))
+        print(formatting.format_markdown(result))
     else:
-        print(scoring.format_table(result))
+        print(formatting.format_table(result))
     return 0
 
 
@@ -197,17 +210,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from stabench.suite import leaderboard, replicate
+
     if args.replicate or args.tasks or args.seeds is not None:  # re-run the folder's own trials here (replicate.py)
-        from stabench.suite import replicate
-
         return replicate.command(args)
-    from stabench.suite import leaderboard
-
     checks = []
     if args.fresh is not None:  # every fresh check is planned (its input checked) before anything is printed or run
         if not args.dirs:
             raise StabenchError("--fresh re-runs rows of a run folder: name it (stabench verify DIR --fresh K)")
-        checks = [leaderboard.plan_fresh(Path(args.leaderboard), Path(d), args.fresh, args.seed_start)
+        checks = [replicate.plan_fresh(Path(args.leaderboard), Path(d), args.fresh, args.seed_start)
                   for d in args.dirs]
         if args.cpus is not None and args.cpus < 1:
             raise StabenchError(f"--cpus must be at least 1, got {args.cpus}")
@@ -233,7 +244,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         first = check.spec.seed_start
         print(f"fresh seeds {check.seeds} (repeat this check: stabench verify {check.directory} --fresh {args.fresh} "
               f"--seed-start {first})", flush=True)
-        agree, disagree = leaderboard.run_fresh(check, args.address, args.cpus)
+        agree, disagree = replicate.run_fresh(check, args.address, args.cpus)
         for line in agree:
             print(f"agrees: {line}")
         for line in disagree:
@@ -419,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--calibration", action="store_true",
                    help="print, per task, whether the run clears the calibration bar (Markdown)")
+    p.add_argument("--write-margins", metavar="FILE",
+                   help="with --calibration: record each task's verdict and margins in seeds in FILE, replacing "
+                        "its rows of the same seeds (results/calibration/margins.csv is read by `stabench list`, "
+                        "the leaderboard and the paper)")
     p.add_argument("--detector", action="append",
                    help="replay this detector (FILE.py:Class, entry point or built-in; repeatable) over the stored "
                         "rows and score it beside the recorded alarm columns (the leaderboard's detector rows: "

@@ -5,7 +5,7 @@ A learned detector declares a fit step (`Detector.fit(rows, task, budget) -> sta
 runs, so a detector fitted on the runs it is scored on could earn most of the score by recognizing the method. The
 harness therefore never fits on what it scores (`replay_learned`), per task (and grid cell):
 
-- the runs the track scores (`scoring.detector_rows`) are split into `FOLDS` folds of seeds (sorted seeds, seed i
+- the runs the track scores (`skill.detector_rows`) are split into `FOLDS` folds of seeds (sorted seeds, seed i
   in fold i mod K) crossed with the methods: the runs of method m on the seeds of fold f are scored by a detector
   fitted on the runs of every *other* method on the seeds *outside* fold f (K-fold over seeds crossed with
   leave-one-method-out); both variants of a seed go together;
@@ -69,22 +69,22 @@ def replay_learned(table: pd.DataFrame, ref: str, in_sample: bool = False) -> np
     """The alarms (one bool per row of `table`, in its order) of the learned detector `ref`, cross-fitted as the
     module docstring says; rows the track does not score (the references', a method's copies of the baseline's)
     get none. Errors in the plugin's own code are one line naming it."""
-    from stabench.suite import detectors, registry, scoring
+    from stabench.suite import detectors, outcomes, registry, skill
 
     cls = registry.resolve_class("detector", ref)
     alarms = np.zeros(len(table), dtype=bool)
-    rows = scoring.detector_rows(table)
+    rows = skill.detector_rows(table)
     if rows.empty:
         return alarms
     if "tier" not in rows:
         raise StabenchError("the table has no `tier` column: is it the metrics.parquet of a `stabench run`?")
     position = pd.Series(np.arange(len(table)), index=table.index)
-    failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in scoring.outcomes(rows).itertuples()}
+    failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in outcomes.outcomes(rows).itertuples()}
     rows = rows.assign(_cell=rows["cell"].fillna("") if "cell" in rows else "")
     tasks: dict[str, Task] = {}
     for (name, cell), task_rows in rows.groupby(["task", "_cell"], sort=True):
         task_id = f"{name} [{cell}]" if cell else name
-        task = scoring.task_of(task_rows, cell, tasks)
+        task = outcomes.task_of(task_rows, cell, tasks)
         budget = task.budget(str(task_rows["tier"].iloc[0]))
         runs = {key: run.sort_values("iteration").drop(columns="_cell")
                 for key, run in task_rows.groupby(["method", "seed", "variant"], sort=True)}

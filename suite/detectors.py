@@ -13,7 +13,7 @@ Reference detectors anchor the score scale: `never` (no alarm), `always` (alarm 
 `random` (5%) and `random-20` (alarm with that probability per row, one seeded stream per run), which
 all score about 0 in expectation; `oracle` (the ground truth: alarms at onset on the injected runs
 that fail, 100) and `injection` (alarms at onset on every injected run: it knows the injection, not the
-outcome). The last two are computed from the run's metadata in `suite.scoring`, never from rows.
+outcome). The last two are computed from the run's metadata in `suite.skill`, never from rows.
 
 Reference `method-prior` (computed at scoring time too) reads no diagnostic: it alarms at onset on an injected
 run when its method's injected runs on the task's other seeds mostly failed, never on a control. A detector that
@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import ClassVar
 
 import numpy as np
@@ -123,7 +123,7 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str], in_sample: bool = Fal
     detector is cross-fitted (`suite.crossfit`); `in_sample` fits it on every run of the task instead, the scored
     ones included (a contrast for reports, never a score)."""
     from stabench.suite import crossfit, registry
-    from stabench.suite.scoring import task_of  # scoring (scipy) stays out of the trial's imports
+    from stabench.suite.outcomes import task_of
 
     refs = list(refs)
     names, learned = {}, {}
@@ -158,6 +158,38 @@ def replay_table(table: pd.DataFrame, refs: Iterable[str], in_sample: bool = Fal
             columns[name][position[run.index].to_numpy()] = alarms
     for name, values in columns.items():
         out[f"alarm/{name}"] = values
+    return out
+
+
+def replay_rules(rows: pd.DataFrame, task: Task, rules: Mapping[str, Callable[[], Detector]],
+                 metrics: Iterable[str]) -> dict[str, np.ndarray]:
+    """Per named rule, its alarms over every run of one task's rows (one bool per row, in the rows' order): a fresh
+    detector (`rules[name]()`) per run, fed the run's rows in iteration order as `visible_frame` shows them, of
+    which only `metrics`, the columns the rules read, are handed over (a study of built-in rules on a wide table).
+    A rule that offers `series` (the built-in change rules) reads its numeric column a run at once, with the alarms
+    `update` would raise row by row; any other is fed the rows one at a time."""
+    shown = set(visible_frame(rows.iloc[:0], task).columns)
+    names = [m for m in dict.fromkeys(metrics) if m in shown and m in rows]
+    numeric = {m: rows[m].to_numpy(dtype=float, na_value=np.nan) for m in names
+               if pd.api.types.is_numeric_dtype(rows[m])}
+    out = {name: np.zeros(len(rows), bool) for name in rules}
+    codes = [pd.factorize(rows[key], sort=True)[0] for key in ("method", "seed", "variant")]
+    order = np.lexsort((rows["iteration"].to_numpy(dtype=float, na_value=np.nan), *codes[::-1]))
+    order = order[(np.stack(codes) >= 0).all(axis=0)[order]]  # a run with a missing key is not a run
+    run_codes = np.stack(codes)[:, order]
+    cuts = np.flatnonzero((run_codes[:, 1:] != run_codes[:, :-1]).any(axis=0)) + 1
+    for where in np.split(order, cuts) if len(order) else []:
+        records = None
+        for name, make in rules.items():
+            detector = make()
+            metric = getattr(detector, "metric", None)
+            if hasattr(detector, "series") and (metric in numeric or metric not in names):
+                series = numeric[metric][where] if metric in numeric else np.full(len(where), math.nan)
+                out[name][where] = detector.series(series)
+                continue
+            if records is None:
+                records = rows[names].iloc[where].to_dict("records")
+            out[name][where] = [detector.update(r) for r in records]
     return out
 
 
@@ -215,6 +247,24 @@ class _Standardized(Detector):
             return math.nan
         return (x - self.mu) / self.sigma
 
+    def standardize_series(self, values: np.ndarray) -> np.ndarray:
+        """What `standardize` returns, row by row from a fresh state, over one run's values at once (a run's
+        `metric` column, iteration order): the same healthy values, the same statistics, the same float arithmetic.
+        Leaves the detector's state untouched."""
+        x = np.asarray(values, dtype=float)
+        pre = len(x) if self.onset is None else min(max(self.onset, 0), len(x))
+        finite = np.flatnonzero(np.isfinite(x[:pre]))
+        if 0 < self.warmup <= len(finite):  # the warm-up filled before the onset: ready after its last value
+            healthy, start = finite[:self.warmup], int(finite[self.warmup - 1]) + 1
+        else:  # the onset came first (or the run ended): ready from the onset row on
+            healthy, start = finite, pre if self.onset is not None else len(x)
+        mu, sigma = healthy_stats(x[healthy].tolist())
+        z = np.full(len(x), math.nan)
+        if math.isfinite(sigma):
+            with np.errstate(invalid="ignore", over="ignore"):
+                z[start:] = (x[start:] - mu) / sigma
+        return z
+
 
 class CalibratedThreshold(_Standardized):
     """Alarm when the diagnostic leaves mean +/- k standard deviations of the warm-up window (k = 4)."""
@@ -232,6 +282,12 @@ class CalibratedThreshold(_Standardized):
     def update(self, row: Mapping[str, float]) -> bool:
         z = self.standardize(row)
         return math.isfinite(z) and (z > self.k if self.above else z < -self.k)
+
+    def series(self, values: np.ndarray) -> np.ndarray:
+        """The alarms `update` raises fed `values` one row at a time from a fresh state."""
+        z = self.standardize_series(values)
+        with np.errstate(invalid="ignore"):
+            return np.isfinite(z) & (z > self.k if self.above else z < -self.k)
 
 
 class Cusum(_Standardized):
@@ -257,6 +313,19 @@ class Cusum(_Standardized):
             return False
         self.s = max(0.0, self.s + (z if self.above else -z) - self.k)
         return self.s > self.h
+
+    def series(self, values: np.ndarray) -> np.ndarray:
+        """The alarms `update` raises fed `values` one row at a time from a fresh state: the recursion runs in
+        Python floats over the finite standardized values only, in the same order, so every sum is the same."""
+        z = self.standardize_series(values)
+        at = np.flatnonzero(np.isfinite(z))
+        out = np.zeros(len(z), dtype=bool)
+        k, h, s, alarms = self.k, self.h, 0.0, []
+        for v in (z[at] if self.above else -z[at]).tolist():
+            s = max(0.0, s + v - k)
+            alarms.append(s > h)
+        out[at] = alarms
+        return out
 
 
 class PageHinkley(_Standardized):
@@ -287,6 +356,22 @@ class PageHinkley(_Standardized):
         self.m_min = min(self.m_min, self.m)
         return self.m - self.m_min > self.lam
 
+    def series(self, values: np.ndarray) -> np.ndarray:
+        """The alarms `update` raises fed `values` one row at a time from a fresh state (the recursion in Python
+        floats over the finite standardized values, in order, as `Cusum.series`)."""
+        z = self.standardize_series(values)
+        at = np.flatnonzero(np.isfinite(z))
+        out = np.zeros(len(z), dtype=bool)
+        delta, lam, n, mean, m, m_min, alarms = self.delta, self.lam, 0, 0.0, 0.0, 0.0, []
+        for v in (z[at] if self.above else -z[at]).tolist():
+            n += 1
+            mean += (v - mean) / n
+            m += v - mean - delta
+            m_min = min(m_min, m)
+            alarms.append(m - m_min > lam)
+        out[at] = alarms
+        return out
+
 
 class Never(Detector):
     name = "never"
@@ -302,17 +387,17 @@ class Always(Detector):
         return True
 
 
-class RandomAlarm(Detector):
-    """Alarm with probability `rate` per row (5%), one seeded stream per run (see `run_key`)."""
+class _RandomAlarm(Detector):
+    """Alarm with probability `rate` per row, one seeded stream per run (see `run_key`). The rates below are in
+    the order runs record them (discovery reads the source in order)."""
 
-    name = "random"
-    rate: ClassVar[float] = 0.05
+    rate: ClassVar[float]
 
     def __init__(self, rate: float | None = None, seed: int = 0) -> None:
         self.rate, self.rng = type(self).rate if rate is None else rate, random.Random(seed)
 
     @classmethod
-    def for_task(cls, task: Task, budget: Budget) -> RandomAlarm:
+    def for_task(cls, task: Task, budget: Budget) -> _RandomAlarm:
         return cls(seed=zlib.crc32(task.id.encode()))
 
     def reseed(self, run_key: str) -> None:
@@ -323,14 +408,21 @@ class RandomAlarm(Detector):
         return self.rng.random() < self.rate
 
 
-class RandomAlarm1(RandomAlarm):
+class RandomAlarm1(_RandomAlarm):
     """Alarm with probability 1% per row."""
 
     name = "random-1"
     rate = 0.01
 
 
-class RandomAlarm20(RandomAlarm):
+class RandomAlarm(_RandomAlarm):
+    """Alarm with probability 5% per row (or the `rate` it is built with)."""
+
+    name = "random"
+    rate = 0.05
+
+
+class RandomAlarm20(_RandomAlarm):
     """Alarm with probability 20% per row."""
 
     name = "random-20"
@@ -341,6 +433,7 @@ class Oracle(Detector):
     """Placeholder in streams: the oracle's alarms come from the ground truth at scoring time."""
 
     name = "oracle"
+    from_metadata = True
 
     def update(self, row: Mapping[str, float]) -> bool:
         return False
@@ -352,6 +445,7 @@ class Injection(Detector):
     not reward (at most 50 where the fixes keep their injected runs healthy)."""
 
     name = "injection"
+    from_metadata = True
 
     def update(self, row: Mapping[str, float]) -> bool:
         return False
@@ -364,6 +458,7 @@ class MethodPrior(Detector):
     detector that does not beat it has not shown that it reads the failure rather than the method."""
 
     name = "method-prior"
+    from_metadata = True
 
     def update(self, row: Mapping[str, float]) -> bool:
         return False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from stabench.suite.api import TrainState
@@ -141,6 +141,32 @@ def diagnostic(name: str) -> Callable[[Diagnostic], Diagnostic]:
         return fn
 
     return register
+
+
+def diagnose(names: Iterable[str], state: TrainState) -> dict[str, float]:
+    """The columns of the named diagnostics on one iteration's state, in the order named."""
+    row: dict[str, float] = {}
+    for name in names:
+        row.update(DIAGNOSTICS[name](state))
+    return row
+
+
+class DiagnosedRun:
+    """A run (`suite.api.Run`) whose rows carry its task's declared diagnostics, computed here for every task.
+
+    A subclass trains one iteration in `train`, which returns the task's own columns and the iteration's
+    `TrainState`; `step` appends to them the columns of each diagnostic in `self.diagnostics` (the task's
+    `Task.diagnostics`, handed to the run when the task builds it), read from that state."""
+
+    diagnostics: tuple[str, ...] = ()
+
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
+        raise NotImplementedError
+
+    def step(self, injected: bool) -> dict[str, float]:
+        row, state = self.train(injected)
+        row.update(diagnose(self.diagnostics, state))
+        return row
 
 
 @diagnostic("grad_norms")

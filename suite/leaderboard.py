@@ -5,22 +5,23 @@ the suite and library versions, the git commit of the suite, the date, the numbe
 scores, and the aggregate with its 95% interval:
 - stabilizer track: per task the mean normalized return after onset; aggregate the interquartile mean
   over all (task, seed) runs with a stratified bootstrap interval, and the probability of improvement over
-  the baseline with its interval (`suite.scoring.across_tasks`). Methods are ranked only on the common task set
+  the baseline with its interval (`suite.statistics.across_tasks`). Methods are ranked only on the common task set
   (every task the baseline ran on): where a method does not change a task's trainer its runs are the
   baseline's (`acts_on` lists the tasks where it really acts); a method that lacks runs on some of the set
   is shown unranked, since its aggregate would compare tasks rather than methods;
-- detector track: per task the detector skill score (`suite.scoring`: 100 oracle, about 0 for any
+- detector track: per task the detector skill score (`suite.skill`: 100 oracle, about 0 for any
   detector blind to the outcome, unclipped); aggregate the mean over tasks, with a stratified bootstrap
   interval that resamples seeds within each (task, method). Detector rows are computed on the committed
   method matrix (`results/matrix`: every stabilizer on every default task, 10 seeds), so every detector is
   compared on the very same runs, the most the suite has: a detector that run did not record is replayed over
   its stored rows (`stabench submit results/matrix --detector FILE.py:Class`, and `stabench verify
   results/matrix --detector FILE.py:Class` to recompute). Only the rows the track scores are replayed
-  (`scoring.detector_rows`: not the references' runs, not a method's copies of the baseline's).
+  (`skill.detector_rows`: not the references' runs, not a method's copies of the baseline's).
 `results_digest` is a digest of the raw table the row was computed from, and `row_digest` a digest of
 the row's own fields: a row edited by hand no longer matches it. `stabench verify DIR` recomputes every
 row whose `results_digest` matches DIR's table and reports any difference; a folder no row was computed from
-has nothing to disagree with and is named in a note, not counted as a mismatch.
+has nothing to disagree with and is named in a note, not counted as a mismatch. The re-runs that check a row on new
+training (`verify --replicate`, `verify --fresh K`) live in `suite.replicate`.
 
 Rows are ordered in rank bands, never by aggregate alone (`row_bands`, `suite.bands`): rows are made on different
 machines, and the same code on another CPU moves a method's normalized return by about one seed-spread, so within
@@ -44,15 +45,12 @@ import json
 import math
 import os
 import subprocess
-import sys
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 from filelock import FileLock
-from stabench.suite import bands, registry, scoring
+from stabench.suite import bands, outcomes, registry, skill, statistics
 from stabench.suite.api import CALIBRATED_TIERS, REFERENCE_METHODS, StabenchError
 from stabench.suite.fingerprint import describe, machine_key, same_machine
 from stabench.suite.results import MANIFEST, METRICS, TRIALS
@@ -169,13 +167,26 @@ BAND_NOTE = ("Rows in one band are not ordered: their 95% intervals overlap, dir
              "which ranks nothing; an unranked row has no band, `-`).")
 
 
+def tuned_pairs(rows: list[dict]) -> set[int]:
+    """Indices of the untuned stabilizer rows computed from the same raw table as a tuned row of their method: they
+    were submitted to give that tuned row its same-run default (`tuning_table`), and are shown beside it, never
+    ranked again among the untuned rows, where the method's own row (from the method matrix) stands."""
+    tuned = {(registry.base_name(r["name"]), r["tier"], row_seeds(r), r["results_digest"]) for r in rows
+             if r["track"] == "stabilizer" and is_tuned(r)}
+    return {i for i, r in enumerate(rows) if r["track"] == "stabilizer" and not is_tuned(r)
+            and (r["name"], r["tier"], row_seeds(r), r["results_digest"]) in tuned}
+
+
 def row_bands(rows: list[dict]) -> list[int | None]:
     """Per row, its rank band within its group (`band_group`, `suite.bands`): rows whose 95% intervals overlap,
-    directly or through a chain, share a band and are not ordered; 1 is the top band; an unranked row has none."""
+    directly or through a chain, share a band and are not ordered; 1 is the top band; an unranked row has none,
+    and neither has a tuned row's same-run default (`tuned_pairs`: its band is the tuning table's)."""
     out: list[int | None] = [None] * len(rows)
     groups: dict[tuple, list[int]] = {}
+    pairs = tuned_pairs(rows)
     for i, row in enumerate(rows):
-        groups.setdefault(band_group(row), []).append(i)
+        if i not in pairs:
+            groups.setdefault(band_group(row), []).append(i)
     for members in groups.values():
         chosen = [rows[i] for i in members]
         found = bands.rank_bands([float(r["aggregate"]) for r in chosen], [float(r["ci_low"]) for r in chosen],
@@ -291,7 +302,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
                  detectors: list[str] | None = None) -> list[dict]:
     """The leaderboard rows for the chosen methods and detectors of one run (all of them by default)."""
     tier = manifest["spec"]["tier"]
-    per_run = scoring.outcomes(table)
+    per_run = outcomes.outcomes(table)
     all_methods = sorted(table["method"].unique())
     recorded = {c.split("/", 1)[1] for c in table.columns if c.startswith("alarm/")}
     all_detectors = sorted(recorded | set(registry.SCORED_DETECTORS))
@@ -305,14 +316,14 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     names, versions, replays = [], {}, []
     for d in detectors or []:
         name, version = d, "1"
-        if d not in all_detectors or d in registry.BUILTIN_DETECTORS:
+        if d not in all_detectors or d in registry.discover("detector"):
             try:
                 cls = registry.resolve_class("detector", registry.canonical(d))
             except StabenchError as exc:
                 raise StabenchError(f"detector {d!r} is not in this run (it has {', '.join(all_detectors)}) and "
                                     f"cannot be replayed: {exc}") from exc
             name = cls.name
-            version = "builtin" if d in registry.BUILTIN_DETECTORS else str(getattr(cls, "version", "1"))
+            version = "builtin" if d in registry.discover("detector") else str(getattr(cls, "version", "1"))
             if name not in recorded and name not in registry.SCORED_DETECTORS:
                 replays.append(registry.canonical(d))
         names.append(name)
@@ -326,7 +337,7 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "results_digest": results_digest(table),
     }
-    aggregate = {a["method"]: a for a in scoring.across_tasks(per_run)}
+    aggregate = {a["method"]: a for a in statistics.across_tasks(per_run)}
     rows = []
     for method in methods or []:
         own = per_run[(per_run["method"] == method) & (per_run["variant"] == "injected")]
@@ -353,20 +364,20 @@ def compute_rows(table: pd.DataFrame, manifest: dict, methods: list[str] | None 
     if replays:  # detectors the run did not record: replayed over its stored rows (the digest stays the run's)
         from stabench.suite import detectors as library
 
-        table = library.replay_table(scoring.detector_rows(table), replays)  # only what the track scores
+        table = library.replay_table(skill.detector_rows(table), replays)  # only what the track scores
     keep = [c for c in table.columns if not c.startswith("alarm/") or c.split("/", 1)[1] in names]
-    runs = scoring.detector_runs(table[keep], per_run) if names else pd.DataFrame()  # only the requested ones
+    runs = skill.detector_runs(table[keep], per_run) if names else pd.DataFrame()  # only the requested ones
     for detector in names:
         own = runs[runs["detector"] == detector]
         per_task = {}
         for t, g in own.groupby("task"):
-            value = scoring.detector_skill(g, resamples=0)[0]
+            value = skill.detector_skill(g, resamples=0)[0]
             per_task[t] = None if math.isnan(value) else round(value, 6)
-        value, low, high = scoring.detector_skill(own)
+        value, low, high = skill.detector_skill(own)
         rows.append({**common, "track": "detector", "name": detector, "version": versions[detector],
                      "seeds": seed_text(own["seed"].unique()), "setting": "{}", "tuning": "{}",
-                     # a detector's alarms on healthy runs and its warning time (`scoring.alarm_summary`)
-                     "failures": _json(scoring.alarm_summary(own)) if len(own) else "{}",
+                     # a detector's alarms on healthy runs and its warning time (`skill.alarm_summary`)
+                     "failures": _json(skill.alarm_summary(own)) if len(own) else "{}",
                      "n_seeds": int(own.groupby("task")["seed"].nunique().min()),
                      "per_task": json.dumps(per_task, sort_keys=True), "control_per_task": "{}",
                      "aggregate": _fmt(value),
@@ -402,7 +413,7 @@ def _setting(table: pd.DataFrame, method: str) -> dict:
 
 def _version(table: pd.DataFrame, method: str) -> str:
     """`builtin` for the suite's own methods; a plugin's class attribute `version` (default "1")."""
-    if registry.base_name(method) in registry.BUILTIN_STABILIZERS:
+    if registry.base_name(method) in registry.discover("stabilizer"):
         return "builtin"
     ref = table.loc[table["method"] == method, "method_ref"].iloc[0]
     return str(getattr(registry.resolve_class("stabilizer", ref), "version", "1"))
@@ -496,120 +507,6 @@ def verify(path: Path, directories: list[Path], detectors: list[str] | None = No
     return problems
 
 
-# `verify --fresh K` draws K consecutive seeds from here, clear of every seed the suite scores, checks or tunes on.
-FRESH_SEEDS = range(10_000, 1_000_000)
-
-
-def verdict(rate: float) -> str:
-    """A task's failure-rate verdict, the calibration bar's: `fails` (at least 80% of runs), `holds` (at most 20%),
-    else `mixed`. Only opposite verdicts contradict each other: a few fresh seeds cannot place a rate finer."""
-    return "fails" if rate >= 0.8 else "holds" if rate <= 0.2 else "mixed"
-
-
-@dataclass(frozen=True)
-class FreshCheck:
-    """A planned `verify --fresh`: the rows of one run folder, and the sweep that re-runs them on fresh seeds."""
-
-    directory: Path
-    rows: tuple[dict, ...]
-    seeds: str
-    spec: Any  # runner.ExperimentSpec
-
-
-def plan_fresh(path: Path, directory: Path, k: int, seed_start: int | None = None) -> FreshCheck:
-    """Check a `verify --fresh` request and draw its seeds (`seed_start` repeats a draw); runs nothing.
-
-    Re-run: the method of every stabilizer row made from `directory`, and the baseline, on the run's tasks and tier,
-    on `k` consecutive seeds clear of every seed the run was made on, the scoring and fresh-check seeds and the
-    rows' tuning seeds."""
-    from stabench.suite import runner  # first: it sets the environment Ray reads when it is imported
-    from stabench.suite.tune import RESERVED_SEEDS
-
-    if k < 1:
-        raise StabenchError(f"--fresh must be at least 1 seed, got {k}")
-    rows = read(path)
-    table, manifest, _ = load_run(directory)
-    digest = results_digest(table)
-    mine = tuple(r for r in rows if r["results_digest"] == digest and r["track"] == "stabilizer")
-    if not mine:
-        raise StabenchError(f"no stabilizer row of {path} was computed from {directory}: nothing to check afresh")
-    avoid = {int(s) for s in table["seed"].unique()} | {s for r in RESERVED_SEEDS.values() for s in r}
-    for r in mine:
-        avoid |= set(json.loads(r.get("tuning") or "{}").get("tuning_seeds", ()))
-    if seed_start is None:
-        import random
-
-        draw = random.SystemRandom()
-        seed_start = next(s for s in iter(lambda: draw.randrange(FRESH_SEEDS.start, FRESH_SEEDS.stop - k), None)
-                          if not avoid & set(range(s, s + k)))
-    elif seed_start < 0 or avoid & set(range(seed_start, seed_start + k)):
-        raise StabenchError(f"--seed-start {seed_start}: the fresh seeds must be at least 0 and clear of the seeds the "
-                            "run was made, scored or tuned on")
-    plain = table[table["cell"].fillna("") == ""] if "cell" in table else table
-    refs = [str(plain.loc[plain["method"] == r["name"], "method_ref"].iloc[0]) for r in mine]
-    spec = runner.ExperimentSpec(tier=manifest["spec"]["tier"], tasks=tuple(dict.fromkeys(plain["task_ref"])),
-                                 methods=tuple(dict.fromkeys(["baseline", *refs])), seeds=k, seed_start=seed_start,
-                                 detectors=())
-    spec.trials()  # every method and task still resolves, before anything runs
-    return FreshCheck(directory, mine, seed_text(range(seed_start, seed_start + k)), spec)
-
-
-def run_fresh(check: FreshCheck, address: str | None = None, cpus: int | None = None) -> tuple[list[str], list[str]]:
-    """Run a planned fresh check in a scratch folder (removed after) and compare; returns the lines of the rows that
-    agree and of those that do not.
-
-    A row agrees when, on the fresh seeds, the 95% interval of its aggregate overlaps the submitted one and no task's
-    failure-rate verdict (`verdict`) flips between `fails` and `holds`. Lenient on purpose: the fresh seeds are few,
-    and normalized return is anchored on floors fixed on seeds 0-9. With one seed per task on either side an interval
-    has no width, so only the verdicts are judged then. The leaderboard is only read."""
-    import shutil
-    import tempfile
-
-    from stabench.suite import runner
-
-    scratch = Path(tempfile.mkdtemp(prefix="stabench-fresh-"))
-    try:
-        exp = runner.prepare(scratch / "run", check.spec, resume=False)
-        names = ", ".join(dict.fromkeys(["baseline", *(r["name"] for r in check.rows)]))
-        print(f"stabench: fresh seeds {check.seeds} for {names}", file=sys.stderr, flush=True)
-        runner.execute(exp, address=address, num_cpus=cpus, tensorboard=False)
-        fresh = pd.read_parquet(scratch / "run" / METRICS)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    per_run = scoring.outcomes(fresh)
-    aggregate = {a["method"]: a for a in scoring.across_tasks(per_run)}
-    rates = {(t["task"], t["method"]): t["failure_rate"] for t in scoring.stabilizer_track(fresh, per_run)}
-    agree, problems = [], []
-    for row in check.rows:
-        name, again = row["name"], aggregate[row["name"]]
-        low, high = float(row["ci_low"]), float(row["ci_high"])
-        told = f"{float(row['aggregate']):.3g} [{low:.3g}, {high:.3g}]"
-        found = f"{again['iqm']:.3g} [{again['ci_low']:.3g}, {again['ci_high']:.3g}]"
-        reasons = []
-        fresh_low, fresh_high = float(_fmt(again["ci_low"])), float(_fmt(again["ci_high"]))  # as a row holds them
-        judged = int(row["n_seeds"]) >= 2 and check.spec.seeds >= 2  # one seed per task: an interval of no width
-        if judged and not (fresh_low <= high and low <= fresh_high):
-            reasons.append(f"aggregate {found} on fresh seeds {check.seeds}, outside the submitted {told}")
-        failures = json.loads(row.get("failures") or "{}")
-        flipped = []
-        for task, (failed, n) in sorted(failures.items()):
-            before, now = verdict(failed / n), verdict(rates.get((task, name), math.nan))
-            if {before, now} == {"fails", "holds"}:
-                flipped.append(f"{task} {before} in the row, {now} afresh")
-        if flipped:
-            reasons.append("failure-rate verdicts flip: " + ", ".join(flipped))
-        checked = (f"{len(failures)} tasks' failure-rate verdicts agree" if failures
-                   else "no failure counts in the row (made before they were recorded)")
-        if reasons:
-            problems.append(f"stabilizer {name}: " + "; ".join(reasons))
-        else:
-            compared = (f"overlaps the submitted {told}" if judged else
-                        f"beside the submitted {told}, not judged (one seed per task on a side: an interval of no "
-                        "width)")
-            agree.append(f"stabilizer {name}: aggregate {found} on fresh seeds {check.seeds} {compared}; " + checked)
-    return agree, problems
-
-
 def tuning_table(rows: list[dict]) -> list[dict]:
     """The tuned stabilizer rows beside their defaults, grouped by tier, scoring seeds and tuning budget: a tuned row
     is ranked only against rows tuned with the same budget on the same seeds. `default_*` come from the untuned row of
@@ -699,7 +596,8 @@ def render_markdown(rows: list[dict], path: Path) -> None:
     machines = machine_labels(rows)  # one key for every table
     for track, title, unit in (("stabilizer", "Stabilizer track", "IQM normalized return"),
                                ("detector", "Detector track", "mean detector skill score (100 = oracle, 0 = chance)")):
-        untuned = [r for r in rows if r["track"] == track and not is_tuned(r)]
+        pairs = tuned_pairs(rows)  # a tuned row's same-run default shows in the tuning table only
+        untuned = [r for i, r in enumerate(rows) if r["track"] == track and not is_tuned(r) and i not in pairs]
         band = dict(zip(map(id, untuned), row_bands(untuned)))  # by band, then aggregate: no overlap is ordered
         mine = sorted(untuned, key=lambda r: (band[id(r)] is None, band[id(r)] or 0,
                                               -float(r["aggregate"]) if r["aggregate"] != "nan" else math.inf))
@@ -723,6 +621,7 @@ def render_markdown(rows: list[dict], path: Path) -> None:
             if track == "stabilizer" or len(groups) > 1:
                 lines += [f"### Tier {group[0]}, seeds {group[1]}", ""]
             lines += _track_table(track, chosen, machines)
+    lines += margin_lines(path.parent / "calibration" / "margins.csv")
     lines += ["## Tuned stabilizers", "",
               "A tuned row's setting was chosen by `stabench tune` on tuning seeds disjoint from the scoring seeds, "
               "with the budget shown; it is ranked only against rows tuned with the same budget and scored on the "
@@ -734,6 +633,21 @@ def render_markdown(rows: list[dict], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines))
     os.replace(tmp, path)
+
+
+def margin_lines(margins: Path) -> list[str]:
+    """The tasks whose committed calibration missed a check or holds one within one seed of the bar (from
+    `results/calibration/margins.csv`, `stabench score --calibration --write-margins`): a row's per-task score on
+    such a task rests on a verdict that another machine or other seeds could flip."""
+    from stabench.suite.calibration import margin_notes
+
+    notes = margin_notes(margins)
+    if not notes:
+        return []
+    return ["## Tasks with a thin or missed calibration", "",
+            "A verdict within one seed of the calibration bar can flip on another machine or other seeds; a missed "
+            "check means the task does not show its failure as the bar asks (results/calibration.md):", "",
+            *(f"- {task}: {note}" for task, note in sorted(notes.items())), ""]
 
 
 def _against_prior(rows: list[dict]) -> list[str]:

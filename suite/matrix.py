@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from stabench.suite import scoring
+from stabench.suite import outcomes, statistics
 from stabench.suite.figures import Skip, markdown_table, save
 
 # A gain counts as help (or harm) when its 95% interval excludes 0 AND it is at least this large (a tenth of the
@@ -18,17 +18,19 @@ from stabench.suite.figures import Skip, markdown_table, save
 MIN_GAIN = 0.1
 
 
-def load_matrix(folder: Path | None) -> tuple[pd.DataFrame | None, str]:
+def load_matrix(folder: Path | None, diagnostics: tuple[str, ...] = ()) -> tuple[pd.DataFrame | None, str]:
     """The matrix run's own table (never joined with the default results: it repeats their tasks and seeds),
-    or None and the reason it is absent."""
+    or None and the reason it is absent. Only what scoring reads and the `diagnostics` asked for
+    (`suite.paper_inputs.read_lean`: the matrix is the largest table the paper reads); grid cells are no part
+    of it."""
+    from stabench.suite.paper_inputs import read_lean
+
     if folder is None:
         return None, "no matrix folder was given; the paper reads results/matrix when built from the default results"
     path = Path(folder) / "metrics.parquet"
     if not path.is_file():
         return None, f"there is no {path}; `stabench run --matrix` makes it"
-    table = pd.read_parquet(path)
-    if "cell" in table:  # grid cells are no part of the matrix
-        table = table[table["cell"].fillna("") == ""]
+    table = read_lean(path, diagnostics)
     if table.empty:
         return None, f"{path} holds no runs"
     return table, ""
@@ -45,7 +47,7 @@ def matched_fixes(table: pd.DataFrame) -> dict[str, str]:
 
 def method_order(per_run: pd.DataFrame, matched: dict[str, str]) -> list[str]:
     """Baseline first, then the tasks' matched fixes (in task order), the other methods, the references last."""
-    roles = per_run.groupby("method")["role"].agg(lambda r: min(r, key=lambda x: scoring.ROLE_ORDER.get(x, 2)))
+    roles = per_run.groupby("method")["role"].agg(lambda r: min(r, key=lambda x: statistics.ROLE_ORDER.get(x, 2)))
     fixes = [matched[t] for t in sorted(per_run["task"].unique()) if t in matched]
 
     def key(method: str) -> tuple:
@@ -76,7 +78,7 @@ def matrix_cells(per_run: pd.DataFrame, matched: dict[str, str]) -> pd.DataFrame
             paired = inj.groupby("seed")["normalized_return"].mean()
             diff = (paired - base.reindex(paired.index)).dropna().to_numpy(dtype=float)
             if len(diff) >= 2:
-                low, high = scoring.bootstrap_mean_ci(diff)
+                low, high = statistics.bootstrap_mean_ci(diff)
             else:
                 low = high = math.nan
             rows.append({
@@ -151,7 +153,7 @@ def _gain_text(gain: float, low: float, high: float) -> str:
     return f"{_signed(gain)} [{_signed(low)}, {_signed(high)}]"
 
 
-def fig_method_matrix(table: pd.DataFrame | None, out: Path, per_run: pd.DataFrame | None = None,
+def fig_method_matrix(table: pd.DataFrame | None, out: Path, name: str, per_run: pd.DataFrame | None = None,
                       matched: dict[str, str] | None = None) -> list[Path]:
     """The matrix run only: task x stabilizer heatmap of the normalized-return gain over the baseline
     (injected variant, paired by seed), each cell annotated with the gain and the failure count; cells where
@@ -159,13 +161,13 @@ def fig_method_matrix(table: pd.DataFrame | None, out: Path, per_run: pd.DataFra
     if per_run is None:
         if table is None or table.empty:
             raise Skip("the matrix was not run: no table given")
-        per_run = scoring.outcomes(table)
+        per_run = outcomes.outcomes(table)
     if matched is None:
         matched = matched_fixes(table)
-    return draw_method_matrix(matrix_cells(per_run, matched), out)
+    return draw_method_matrix(matrix_cells(per_run, matched), out, name)
 
 
-def draw_method_matrix(cells: pd.DataFrame, out: Path) -> list[Path]:
+def draw_method_matrix(cells: pd.DataFrame, out: Path, name: str) -> list[Path]:
     import matplotlib.pyplot as plt
     import seaborn as sns
     from matplotlib.patches import Rectangle
@@ -212,7 +214,7 @@ def draw_method_matrix(cells: pd.DataFrame, out: Path) -> list[Path]:
     ax.set_title(f"Failure mode x stabilizer: gain over the baseline (mean of paired differences, {seeds} seed"
                  f"{'s' if seeds != 1 else ''}) and failed runs\n* = 95% interval excludes 0, "
                  "outlined = matched fix, '=' = does not act (the baseline's runs)", fontsize=9)
-    return save(fig, out, "13_method_matrix")
+    return save(fig, out, name)
 
 
 def _names(classes: pd.DataFrame, kind: str, detail: str | None = None) -> str:

@@ -5,36 +5,43 @@ Inputs are run folders (their `metrics.parquet`); by default the committed resul
 whose `{{table:NAME}}`, `{{value:NAME}}` and `{{text:NAME}}` placeholders are filled from the generated tables, so
 no number in the text is typed by hand. The figures are the suite's own (below) and every registered task's
 (`Task.figures`, drawn by the task's module); `{{text:task_sections}}` prints each task's paragraph (`Task.paper`)
-with its figures. A figure whose task is not in the results is skipped with a line saying so, never drawn empty.
-The matrix's classification lives in `suite.matrix`, the plotting toolkit in `suite.figures`.
-The results section compares like with like: figure 11 and the aggregate table rank only the methods on the common
-default task set, in rank bands (`suite.bands`: methods whose intervals overlap are not ordered), and the detector
-figures and tables score every detector on the same runs, both from the method matrix when there is one (as the
-leaderboard does); the experimental tasks are shown apart, never ranked.
+with its figures. A figure's file is named by its owner and its slug, `figures/<task id or suite>_<slug>.png`
+(`figure_list`), and numbered only in the rendered text, in the order the figures appear (`number_figures`).
+A figure whose task is not in the results is skipped with a line saying so, never drawn empty.
+The matrix's classification lives in `suite.matrix`, the plotting toolkit in `suite.figures`, what is read of the
+results in `suite.paper_inputs`, and the tool tasks' split-detection study with them (`stabench.tasks.worlds`).
+The results section compares like with like: the leaderboard figure and the aggregate table rank only the methods on
+the common default task set, in rank bands (`suite.bands`: methods whose intervals overlap are not ordered), and the
+detector figures and tables score every detector on the same runs, both from the method matrix when there is one (as
+the leaderboard does); the experimental tasks are shown apart, never ranked.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from stabench.suite import bands, scoring
+from stabench.suite import bands, fidelity, outcomes, paper_inputs, paragraphs, skill, statistics
 from stabench.suite import matrix as matrix_module
 from stabench.suite.api import REFERENCE_METHODS, Figure, StabenchError, Task
-from stabench.suite.figures import ONSET_STYLE, Skip, markdown_table, onset_line, save, setup
+from stabench.suite.calibration import margin_notes
+from stabench.suite.figures import ONSET_STYLE, Skip, markdown_table, mean_ci, onset_line, save, setup
+from stabench.suite.registry import discover
 
 PAPER = Path("paper")
 # The default suite's quick tier, the staleness grid, and the experimental tasks' 10-seed calibration runs (a default
 # task's rows come from the quick tier only: its calibration runs would repeat seeds the quick tier holds).
 DEFAULT_RESULTS = [Path("results/quick"), Path("results/staleness-grid"),
                    *(Path("results/calibration") / task / "seeds-0-9"
-                     for task in ("value-cold-start", "moe-routing"))]
+                     for task, builtin in discover("task").items() if builtin.fields.get("experimental"))]
 MATRIX = Path("results/matrix")  # `stabench run --matrix`: every stabilizer on every default task
 
 
@@ -44,8 +51,8 @@ MAP_DIAGNOSTICS = ("entropy", "grad_norm_total", "dormant_share", "kl_k1", "kl_k
                    "behaviour_kl", "policy_churn", "effective_rank")
 
 
-def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
-    """Task x diagnostic: the detector skill score (`suite.scoring`: 100 = oracle, 0 = chance) of Page-Hinkley
+def fig_failure_map(table: pd.DataFrame, out: Path, name: str, per_run: pd.DataFrame | None = None) -> list[Path]:
+    """Task x diagnostic: the detector skill score (`suite.skill`: 100 = oracle, 0 = chance) of Page-Hinkley
     on each diagnostic, the better of both directions, replayed on every stored run of the task that the track
     scores (all methods, what a detector may see; `build` passes the method matrix when there is one); blank =
     not logged or privileged."""
@@ -55,25 +62,20 @@ def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
     from stabench.suite.detectors import PageHinkley, default_warmup
 
     cells = {}
-    table = scoring.detector_rows(table)  # the rows the track would drop are not replayed
-    frame = table.assign(cell=table["cell"].fillna("") if "cell" in table else "")
-    for task_id, rows in frame.groupby("task"):
+    for task_id, rows in table.groupby("task"):
+        rows = skill.detector_rows(rows)  # the rows the track would drop are not replayed
+        if rows.empty:
+            continue
         task = registry.get_task(rows["task_ref"].iloc[0])
         budget = task.budget(rows["tier"].iloc[0])
         metrics = [m for m in MAP_DIAGNOSTICS if m in rows and rows[m].notna().any() and not detectors.hidden(m, task)]
         if not metrics:
             continue
-        columns = {f"alarm/{m}|{d}": np.zeros(len(rows), bool) for m in metrics for d in "+-"}
-        position = pd.Series(np.arange(len(rows)), index=rows.index)
-        for _, run in rows.groupby(["method", "seed", "variant"]):
-            run = run.sort_values("iteration")
-            visible = detectors.visible_frame(run, task).to_dict("records")
-            where = position[run.index].to_numpy()
-            for metric in metrics:
-                for direction in "+-":
-                    det = PageHinkley(metric, default_warmup(budget), above=direction == "+", onset=budget.onset)
-                    columns[f"alarm/{metric}|{direction}"][where] = [det.update(r) for r in visible]
-        scored = pd.DataFrame(scoring.detector_track(rows.assign(**columns)))
+        rules = {f"alarm/{m}|{d}": partial(PageHinkley, m, default_warmup(budget), above=d == "+", onset=budget.onset)
+                 for m in metrics for d in "+-"}
+        columns = detectors.replay_rules(rows, task, rules, metrics)
+        bare = rows.drop(columns=[c for c in rows.columns if c.startswith("alarm/")])  # the recorded ones: not read
+        scored = pd.DataFrame(skill.detector_track(bare.assign(**columns), per_run))
         for metric in metrics:
             mine = scored[scored["detector"].isin([f"{metric}|+", f"{metric}|-"])]["score"]
             cells[(task_id, metric)] = float(mine.max()) if mine.notna().any() else math.nan
@@ -89,103 +91,7 @@ def fig_failure_map(table: pd.DataFrame, out: Path) -> list[Path]:
     ax.tick_params(axis="y", rotation=0)
     ax.tick_params(axis="x", rotation=30)
     ax.set_title("Failure-mode map: how well and how early each diagnostic tells failing runs from healthy ones")
-    return save(fig, out, "01_failure_mode_map")
-
-
-# Seed 004's detection claim: tool-state statistics warn where their aggregates do not. Each pair is a diagnostic
-# split to the tokens written in tool states and the same diagnostic over every token, read with the side fixed
-# before any run was scored (the seed: tool states grow ratio tails, lose effective sample size and stay uncertain).
-SPLIT_PAIRS = (("ratio_p99_tool", "ratio_p99", True), ("ratio_ess_tool", "ratio_ess", False),
-               ("entropy_tool", "entropy", True))
-
-
-def split_detection(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per task logging a tool-state split, per pair of `SPLIT_PAIRS` and per built-in change rule (calibrated
-    threshold, CUSUM, Page-Hinkley; warm-up half the onset): the rule's skill score with its 95% interval and
-    median lead on the tool-state diagnostic and on its aggregate, scored on the same runs."""
-    from stabench.suite import detectors, registry
-    from stabench.suite.detectors import CalibratedThreshold, Cusum, PageHinkley, default_warmup
-
-    rules = {"calibrated-threshold": CalibratedThreshold, "cusum": Cusum, "page-hinkley": PageHinkley}
-    per_run = scoring.outcomes(table) if per_run is None else per_run
-    out = []
-    for task_id, rows in table.groupby("task"):
-        pairs = [(s, a, up) for s, a, up in SPLIT_PAIRS if s in rows and a in rows and rows[s].notna().any()]
-        if not pairs:
-            continue
-        task = registry.get_task(rows["task_ref"].iloc[0])
-        budget = task.budget(rows["tier"].iloc[0])
-        columns = {f"alarm/{rule}:{m}": np.zeros(len(rows), bool) for rule in rules for s, a, _ in pairs
-                   for m in (s, a)}
-        position = pd.Series(np.arange(len(rows)), index=rows.index)
-        for _, run in rows.groupby(["method", "seed", "variant"]):
-            run = run.sort_values("iteration")
-            visible = detectors.visible_frame(run, task).to_dict("records")
-            where = position[run.index].to_numpy()
-            for rule, cls in rules.items():
-                for split, aggregate, above in pairs:
-                    for metric in (split, aggregate):
-                        det = cls(metric, default_warmup(budget), above=above, onset=budget.onset)
-                        columns[f"alarm/{rule}:{metric}"][where] = [det.update(r) for r in visible]
-        bare = rows.drop(columns=[c for c in rows.columns if c.startswith("alarm/")])
-        scored = pd.DataFrame(scoring.detector_track(bare.assign(**columns), per_run)).set_index("detector")
-        for split, aggregate, above in pairs:
-            for rule in rules:
-                mine, theirs = scored.loc[f"{rule}:{split}"], scored.loc[f"{rule}:{aggregate}"]
-                out.append({"task": task_id, "tool-state diagnostic": split, "aggregate": aggregate,
-                            "side": "above" if above else "below", "rule": rule,
-                            "split score": mine["score"], "split ci_low": mine["ci_low"],
-                            "split ci_high": mine["ci_high"], "split median lead": mine["median_lead"],
-                            "aggregate score": theirs["score"], "aggregate ci_low": theirs["ci_low"],
-                            "aggregate ci_high": theirs["ci_high"], "aggregate median lead": theirs["median_lead"],
-                            "failing runs": int(mine["n_failures"]), "negative runs": int(mine["n_negatives"])})
-    return pd.DataFrame(out)
-
-
-def split_detection_summary(frame: pd.DataFrame) -> str:
-    """One sentence on seed 004's claim from the comparison: where the tool-state reading is better (intervals apart),
-    and whether it warned earlier there (median lead above 0 and above the aggregate's)."""
-    if frame.empty:
-        return "No task in these results logs a tool-state split, so the claim was not tested"
-    shown = split_detection_table(frame)
-    better = frame[shown["verdict"] == "split better"]
-    worse = int((shown["verdict"] == "aggregate better").sum())
-    earlier = better[(better["split median lead"] > 0)
-                     & ~(better["split median lead"] <= better["aggregate median lead"])]
-    where = ", ".join(f"{r['rule']} on {r['tool-state diagnostic']} ({r['task']})" for _, r in better.iterrows())
-    text = (f"Of {len(frame)} comparisons the tool-state reading is better in {len(better)}"
-            + (f" ({where})" if where else "") + f", the aggregate in {worse}, and the intervals overlap in the rest; ")
-    if earlier.empty:
-        return text + "in none is the better tool-state reading also earlier than the failure and the aggregate"
-    return text + f"in {len(earlier)} it also warns earlier than both"
-
-
-def split_detection_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The split-vs-aggregate comparison as a reader reads it, with the verdict per row (intervals apart or not)."""
-    if frame.empty:
-        return frame
-
-    def cell(row: pd.Series, side: str) -> str:
-        lead = row[f"{side} median lead"]
-        lead_text = "-" if pd.isna(lead) else f"{lead:.0f}"
-        return (f"{row[f'{side} score']:.1f} [{row[f'{side} ci_low']:.1f}, {row[f'{side} ci_high']:.1f}]; "
-                f"lead {lead_text}")
-
-    def verdict(row: pd.Series) -> str:
-        if row["split ci_low"] > row["aggregate ci_high"]:
-            return "split better"
-        if row["aggregate ci_low"] > row["split ci_high"]:
-            return "aggregate better"
-        return "intervals overlap"
-
-    return pd.DataFrame({
-        "task": frame["task"], "rule": frame["rule"],
-        "tool-state diagnostic (side)": frame["tool-state diagnostic"] + " (" + frame["side"] + ")",
-        "score, tool states": frame.apply(cell, axis=1, side="split"),
-        "score, aggregate": frame.apply(cell, axis=1, side="aggregate"),
-        "verdict": frame.apply(verdict, axis=1),
-        "runs (failing / negative)": frame["failing runs"].astype(str) + " / " + frame["negative runs"].astype(str),
-    })
+    return save(fig, out, name)
 
 
 def experimental_tasks(table: pd.DataFrame) -> set[str]:
@@ -199,16 +105,16 @@ def experimental_tasks(table: pd.DataFrame) -> set[str]:
 
 def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
                      matrix_runs: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """What figure 11 and the aggregate table show: (ranking, apart, note).
+    """What the leaderboard figure and the aggregate table show: (ranking, apart, note).
 
-    `ranking`: the methods ranked on the common task set by the leaderboard's rule (`scoring.across_tasks`: the
+    `ranking`: the methods ranked on the common task set by the leaderboard's rule (`statistics.across_tasks`: the
     baseline's tasks; a method with runs on only some of them is left out, its number would compare tasks rather
     than methods), in rank bands (`suite.bands`: methods whose intervals overlap, directly or through a chain, share
     a band and are not ordered; 1 is the top), by band and then IQM: band, method, n_tasks, n_acts, IQM with its
     interval, P(improve) with its interval, and the failure rate of its injected runs on that set. Read from the
     method matrix (`matrix_runs`: every method on every default task) when there is one; otherwise from the run's
     own methods on its non-experimental tasks.
-    `apart`: per task and method (`scoring.stabilizer_track`), the tasks left out of the ranking (the experimental
+    `apart`: per task and method (`statistics.stabilizer_track`), the tasks left out of the ranking (the experimental
     ones), shown beside it, never mixed in. `note`: one sentence saying which set was ranked."""
     if matrix_runs is not None:
         ranked_runs = matrix_runs
@@ -217,14 +123,14 @@ def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
         default = per_run[~per_run["task"].isin(experimental)]
         ranked_runs = default if len(default) else per_run
         apart_runs = per_run[~per_run.index.isin(ranked_runs.index)]
-    common = scoring.common_tasks(ranked_runs)
+    common = statistics.common_tasks(ranked_runs)
     injected = ranked_runs[(ranked_runs["variant"] == "injected") & ranked_runs["task"].isin(common)]
     failure = injected.groupby("method")["failed"].mean()
     rows = [{"method": r["method"], "n_tasks": r["n_tasks"], "n_acts": len(r["acts_on"]), "iqm": r["iqm"],
              "ci_low": r["ci_low"], "ci_high": r["ci_high"], "poi": r.get("probability_of_improvement", math.nan),
              "poi_ci_low": r.get("poi_ci_low", math.nan), "poi_ci_high": r.get("poi_ci_high", math.nan),
              "failure_rate": float(failure.get(r["method"], math.nan))}
-            for r in scoring.across_tasks(ranked_runs) if r["ranked"]]
+            for r in statistics.across_tasks(ranked_runs) if r["ranked"]]
     for row, band in zip(rows, bands.rank_bands([r["iqm"] for r in rows], [r["ci_low"] for r in rows],
                                                  [r["ci_high"] for r in rows])):
         row["band"] = band if band is not None else math.nan
@@ -232,7 +138,7 @@ def stabilizer_views(per_run: pd.DataFrame, experimental: set[str],
                "failure_rate"]
     ranking = pd.DataFrame(rows, columns=columns).sort_values(["band", "iqm", "method"],
                                                               ascending=[True, False, True])
-    apart = pd.DataFrame(scoring.stabilizer_track(None, per_run=apart_runs)) if len(apart_runs) else pd.DataFrame()
+    apart = pd.DataFrame(statistics.stabilizer_track(None, per_run=apart_runs)) if len(apart_runs) else pd.DataFrame()
     seeds = int(injected.groupby(["task", "method"])["seed"].nunique().min()) if len(injected) else 0
     if matrix_runs is not None:
         note = (f"Ranked on the {len(common)} default tasks of the method matrix (`stabench run --matrix`: every "
@@ -276,7 +182,7 @@ ROLE_STYLE = {"baseline": ("C3", "o", "baseline"), "matched-fix": ("C2", "D", "m
               "other": ("C0", "o", "other method"), "reference": ("0.45", "x", "reference (does not learn)")}
 
 
-def fig_leaderboard(table: pd.DataFrame, out: Path,
+def fig_leaderboard(table: pd.DataFrame, out: Path, name: str,
                     views: tuple[pd.DataFrame, pd.DataFrame, str] | None = None) -> list[Path]:
     """Left: the ranked methods (`stabilizer_views`: the common default task set, from the method matrix when
     there is one), IQM of normalized return with stratified bootstrap 95% intervals, by rank band (the top band on
@@ -285,7 +191,7 @@ def fig_leaderboard(table: pd.DataFrame, out: Path,
     import matplotlib.pyplot as plt
 
     if views is None:
-        views = stabilizer_views(scoring.outcomes(table), experimental_tasks(table))
+        views = stabilizer_views(outcomes.outcomes(table), experimental_tasks(table))
     ranking, apart, note = views
     if ranking.empty:
         raise Skip("no method ran on the whole common task set")
@@ -350,20 +256,22 @@ def fig_leaderboard(table: pd.DataFrame, out: Path,
         side.set_title("Experimental tasks, apart: each task's own methods (not ranked)")
         side.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 * 8 / height), ncol=4, frameon=False,
                     fontsize=8)
-    return save(fig, out, "11_stabilizer_leaderboard")
+    return save(fig, out, name)
 
 
-def fig_latency(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None) -> list[Path]:
+def fig_latency(table: pd.DataFrame, out: Path, name: str, per_run: pd.DataFrame | None = None,
+                track: pd.DataFrame | None = None) -> list[Path]:
     """The detector track: skill score per detector and task with its 95% interval (left), and lead time on
     detected failing runs, alarm before the failure shows in the true return, as a share of the post-onset
     horizon (right; above 0 = warned before). The legend sits outside both panels. `build` passes the method
-    matrix when there is one (every detector on the same runs, 10 seeds) and its `per_run` outcomes."""
+    matrix when there is one (every detector on the same runs, 10 seeds), its `per_run` outcomes and its `track`
+    (`skill.detector_track`, which the tables show too)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    per_run = scoring.outcomes(table) if per_run is None else per_run
-    runs = scoring.detector_runs(table, per_run)
-    result = pd.DataFrame(scoring.detector_track(table, per_run))
+    per_run = outcomes.outcomes(table) if per_run is None else per_run
+    runs = skill.detector_runs(table, per_run)
+    result = pd.DataFrame(skill.detector_track(table, per_run)) if track is None else track
     if result.empty or result["score"].isna().all():
         raise Skip("no failing run in the results")
     runs = runs[runs["lead"].notna()].assign(lead_frac=lambda r: r["lead"] / r["horizon"])
@@ -397,14 +305,15 @@ def fig_latency(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = N
     fig.tight_layout()
     paths = []
     for ext in ("pdf", "png"):
-        path = out / "figures" / f"12_detection_latency.{ext}"
+        path = out / "figures" / f"{name}.{ext}"
         fig.savefig(path, dpi=150, bbox_inches="tight")
         paths.append(path)
     plt.close(fig)
     return paths
 
 
-def fig_precision_lead(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None) -> list[Path]:
+def fig_precision_lead(table: pd.DataFrame, out: Path, name: str,
+                       per_run: pd.DataFrame | None = None) -> list[Path]:
     """Per task, its paired diagnostic read as the change rules read it (z against the run's own pre-onset rows, on
     the task's side), across thresholds (`suite.tradeoff`): the precision of the runs that alarm (failing / all
     alarmed; dashed: chance, the share of failing runs) against the median lead on the failing runs it warns (> 0:
@@ -440,14 +349,14 @@ def fig_precision_lead(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | N
                  "(dashed: chance precision)")
     paths = []
     for ext in ("pdf", "png"):
-        path = out / "figures" / f"12_precision_lead.{ext}"
+        path = out / "figures" / f"{name}.{ext}"
         fig.savefig(path, dpi=150)
         paths.append(path)
     plt.close(fig)
     return paths
 
 
-def fig_entropy(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_entropy(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Policy entropy over training, baseline and matched fix, every task (the shared door of failures)."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -459,28 +368,30 @@ def fig_entropy(table: pd.DataFrame, out: Path) -> list[Path]:
     for ax, task in zip(axes.flat, tasks):
         rows = table[(table["task"] == task) & (table["variant"] == "injected")
                      & table["role"].isin(["baseline", "matched-fix"])]  # fmt: skip
-        sns.lineplot(rows, x="iteration", y="entropy", hue="method", errorbar=("ci", 95), seed=0, ax=ax)
+        sns.lineplot(rows, x="iteration", y="entropy", hue="method", errorbar=mean_ci, ax=ax)
         onset_line(ax, rows)
         ax.set_title(task)
         ax.set_ylabel("policy entropy [nats]")
     for ax in list(axes.flat)[len(tasks) :]:
         ax.set_visible(False)
-    return save(fig, out, "09_entropy")
+    return save(fig, out, name)
 
 
-def fig_method_matrix(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_method_matrix(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Drawn from the matrix run, not from the results (`build` passes its cells)."""
     raise Skip("the matrix figure is drawn from the matrix run")
 
 
+SUITE = "suite"  # the owner of the figures across tasks, in their files' names
 SUITE_FIGURES: tuple[Figure, ...] = (
-    Figure("01_failure_mode_map", "failure-mode map", "", fig_failure_map),
-    Figure("09_entropy", "entropy", "", fig_entropy),
-    Figure("11_stabilizer_leaderboard", "stabilizer leaderboard", "", fig_leaderboard),
-    Figure("12_detection_latency", "detection latency", "", fig_latency),
-    Figure("13_method_matrix", "failure-mode x stabilizer matrix", "", fig_method_matrix),
-    Figure("12_precision_lead", "precision against lead time", "", fig_precision_lead),
+    Figure("failure-mode-map", "failure-mode map", "", fig_failure_map),
+    Figure("entropy", "entropy", "", fig_entropy),
+    Figure("stabilizer-leaderboard", "stabilizer leaderboard", "", fig_leaderboard),
+    Figure("detection-latency", "detection latency", "", fig_latency),
+    Figure("method-matrix", "failure-mode x stabilizer matrix", "", fig_method_matrix),
+    Figure("precision-lead", "precision against lead time", "", fig_precision_lead),
 )
+SLUG = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
 
 
 def task_classes() -> list[type[Task]]:
@@ -490,26 +401,58 @@ def task_classes() -> list[type[Task]]:
     return [registry.resolve_class("task", name) for name in registry.names("task")]
 
 
-def figure_list() -> list[Figure]:
-    """The suite's figures and every registered task's, numbered by name."""
-    figures = {f.name: f for f in SUITE_FIGURES}
-    for cls in task_classes():
-        for figure in cls.figures:
-            if figure.name in figures and figures[figure.name] is not figure:
-                raise StabenchError(f"two figures are named {figure.name!r} ({cls.id} and another)")
-            figures[figure.name] = figure
-    return [figures[name] for name in sorted(figures)]
+def figure_file(owner: str, figure: Figure) -> str:
+    """The file name (no suffix) of `owner`'s figure (a task id, or `SUITE`): `<owner>_<slug>`. A slug is lower
+    case words joined by hyphens; it carries no number (the text numbers figures as they appear)."""
+    if not SLUG.fullmatch(figure.name):
+        raise StabenchError(f"{owner}: figure name {figure.name!r} is not a slug (lower-case words joined by '-', "
+                            "no number: the paper numbers its figures in the order they appear)")
+    return f"{owner}_{figure.name}"
 
 
-def task_sections(table: pd.DataFrame, drawn: set[str]) -> str:
-    """Per task in the results: its paragraph (`Task.paper`) and the figures drawn for it, default tasks first."""
+def figure_list() -> list[tuple[str, Figure]]:
+    """(file name, figure) for the suite's figures and every registered task's, in the order they are drawn."""
+    figures: dict[str, Figure] = {}
+    for owner, own in [(SUITE, SUITE_FIGURES), *((cls.id, cls.figures) for cls in task_classes())]:
+        for figure in own:
+            name = figure_file(owner, figure)
+            if name in figures:
+                raise StabenchError(f"{owner} has two figures named {figure.name!r}")
+            figures[name] = figure
+    return list(figures.items())
+
+
+def number_figures(text: str) -> str:
+    """Each figure of the rendered text (`![caption](figures/NAME.png)`) numbered in the order it first appears:
+    its caption starts `Figure N:`."""
+    numbers: dict[str, int] = {}
+
+    def numbered(match: re.Match) -> str:
+        number = numbers.setdefault(match.group(2), len(numbers) + 1)
+        return f"![Figure {number}: {match.group(1)}](figures/{match.group(2)}.png)"
+
+    return re.sub(r"!\[(.*?)\]\(figures/([^)\s]+)\.png\)", numbered, text)
+
+
+def task_sections(table: pd.DataFrame, drawn: set[str], numbers: pd.DataFrame | None = None) -> str:
+    """Per task in the results: its paragraph (`Task.paper`) and the figures drawn for it, default tasks first. The
+    paragraph's numbers (`suite.paragraphs`) come from `numbers` for the tasks it holds (`build` passes the method
+    matrix), else from `table`."""
     present = set(table["task"].unique())
+    held = set(numbers["task"].unique()) if numbers is not None else set()
     classes = sorted((c for c in task_classes() if c.id in present), key=lambda c: (c.experimental, c.id))
+    margins = margin_notes()  # the committed calibration's missed and thin verdicts, stated where the task is
     parts = []
     for cls in classes:
         label = " (experimental)" if cls.experimental else ""
-        lines = [f"### {cls.id}{label}", "", " ".join(cls.paper.split()) or "(no paragraph)"]
-        lines += [f"\n![{f.caption or f.title}](figures/{f.name}.png)" for f in cls.figures if f.name in drawn]
+        rows = numbers if cls.id in held else table
+        text = paragraphs.fill(" ".join(cls.paper.split()), cls, rows[rows["task"] == cls.id])
+        lines = [f"### {cls.id}{label}", "", text or "(no paragraph)"]
+        if cls.id in margins:
+            lines += ["", f"Calibration margin (results/calibration/margins.csv): {margins[cls.id]}; a verdict within "
+                          "one seed of the bar can flip on another machine or on other seeds."]
+        lines += [f"\n![{f.caption or f.title}](figures/{figure_file(cls.id, f)}.png)" for f in cls.figures
+                  if figure_file(cls.id, f) in drawn]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
@@ -524,7 +467,7 @@ def detector_source(main: pd.DataFrame, per_run: pd.DataFrame, experimental: set
     method on every default task), otherwise the run's own non-experimental tasks. The tasks left out are scored
     apart (`write_tables`: `best_detectors_experimental`)."""
     if matrix_table is not None:
-        runs = scoring.outcomes(matrix_table) if matrix_runs is None else matrix_runs
+        runs = outcomes.outcomes(matrix_table) if matrix_runs is None else matrix_runs
         seeds = int(matrix_table.groupby(["task", "method"])["seed"].nunique().min())
         return matrix_table, runs, (
             f"Scored on the method matrix: every stabilizer's runs on the {matrix_table['task'].nunique()} default "
@@ -583,29 +526,28 @@ def method_prior_summary(track: pd.DataFrame) -> str:
 
 def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = None,
                  views: tuple[pd.DataFrame, pd.DataFrame, str] | None = None,
-                 detectors: tuple[pd.DataFrame, pd.DataFrame, str] | None = None) -> dict[str, str]:
+                 detectors: tuple[pd.DataFrame, pd.DataFrame, str] | None = None,
+                 detector_track: pd.DataFrame | None = None) -> dict[str, str]:
     """Generate every table (Markdown and CSV) and the single values the text quotes. `views`
     (`stabilizer_views`) and `detectors` (`detector_source`) say what the results section ranks and scores
-    (`build` passes the method matrix's); by default the run's own tasks."""
-    per_run = scoring.outcomes(table) if per_run is None else per_run
+    (`build` passes the method matrix's, and `detector_track`, the track on its rows, which the detector figure
+    reads too); by default the run's own tasks."""
+    per_run = outcomes.outcomes(table) if per_run is None else per_run
     experimental = experimental_tasks(table)
     ranking, apart, ranking_note = views or stabilizer_views(per_run, experimental)
     det_table, det_runs, detector_note = detectors or detector_source(table, per_run, experimental)
     others = table[~table["task"].isin(set(det_table["task"]))]
     tables = {
-        "stabilizer_track": pd.DataFrame(scoring.stabilizer_track(table, per_run)),
+        "stabilizer_track": pd.DataFrame(statistics.stabilizer_track(table, per_run)),
         "aggregate": ranking,
         "experimental_returns": apart,
-        "detector_track": pd.DataFrame(scoring.detector_track(det_table, det_runs)),
-        "detector_track_experimental": (pd.DataFrame(scoring.detector_track(others, per_run)) if len(others)
+        "detector_track": (pd.DataFrame(skill.detector_track(det_table, det_runs)) if detector_track is None
+                           else detector_track),
+        "detector_track_experimental": (pd.DataFrame(skill.detector_track(others, per_run)) if len(others)
                                         else pd.DataFrame()),
     }
     tables["tasks"] = task_table(sorted(table["task_ref"].unique()))
-    tables["split_detection"] = pd.concat([split_detection(det_table, det_runs),
-                                           split_detection(others, per_run) if len(others) else pd.DataFrame()],
-                                          ignore_index=True)
-    shown = {"aggregate": ranking_table(ranking), "experimental_returns": apart_table(apart),
-             "split_detection": split_detection_table(tables["split_detection"])}
+    shown = {"aggregate": ranking_table(ranking), "experimental_returns": apart_table(apart)}
     rendered = {}
     for name, frame in tables.items():
         frame.to_csv(out / "tables" / f"{name}.csv", index=False)
@@ -623,7 +565,8 @@ def write_tables(table: pd.DataFrame, out: Path, per_run: pd.DataFrame | None = 
     rendered["value:control_failure_mean"] = f"{base['control_failure_rate'].mean():.2f}" if len(base) else "n/a"
     rendered["value:fix_failure_mean"] = f"{fix['failure_rate'].mean():.2f}" if len(fix) else "n/a"
     rendered["value:ranking_note"] = ranking_note
-    rendered["value:split_detection_summary"] = split_detection_summary(tables["split_detection"])
+    rendered.update(importlib.import_module("stabench.tasks.worlds.tool_detection").write_tables(
+        [(det_table, det_runs), (others, per_run)], out))  # the tool tasks' study (suite never imports tasks)
     rendered["value:detector_note"] = detector_note
     rendered["table:best_detectors"] = markdown_table(_best_detectors(tables["detector_track"]))
     rendered["value:method_prior_note"] = method_prior_summary(tables["detector_track"])
@@ -711,7 +654,7 @@ def render_text(values: dict[str, str], out: Path) -> Path | None:
     missing = sorted(set(re.findall(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", text)) - set(values))
     if missing:
         raise StabenchError(f"{template} asks for {', '.join(missing)}, which no generated table provides")
-    text = re.sub(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", lambda m: values[m.group(1)].rstrip("\n"), text)
+    text = number_figures(re.sub(r"\{\{([a-z_]+:[a-z0-9_]+)\}\}", lambda m: values[m.group(1)].rstrip("\n"), text))
     path = out / "paper.md"
     path.write_text("<!-- Generated by `stabench paper` from paper.template.md: edit the template. -->\n" + text)
     return path
@@ -743,14 +686,14 @@ def render_pdf(markdown_path: Path) -> Path | None:
     return pdf
 
 
-def load_results(dirs: list[Path]) -> pd.DataFrame:
-    frames = []
-    for directory in dirs:
-        path = directory / "metrics.parquet"
-        if not path.is_file():
-            raise StabenchError(f"no metrics.parquet in {directory}")
-        frames.append(pd.read_parquet(path))
-    return pd.concat(frames, ignore_index=True)
+def matrix_diagnostics(out: Path) -> tuple[str, ...]:
+    """The matrix's diagnostics the paper reads beyond what scoring reads (`suite.paper_inputs`): the failure-mode
+    map's, the tool tasks' split-detection study's, the metrics the fidelity table's predictions test and the
+    columns the task paragraphs quote (`suite.paragraphs`)."""
+    tools = importlib.import_module("stabench.tasks.worlds.tool_detection")
+    path = fidelity.predictions_path(out)
+    predicted = tuple(p.metric for p in fidelity.read_predictions(path)[0]) if path else ()
+    return (*MAP_DIAGNOSTICS, *tools.DIAGNOSTICS, *predicted, *paragraphs.columns([c.paper for c in task_classes()]))
 
 
 def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None = None,
@@ -761,8 +704,8 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     None reads none. Without it the matrix figure is skipped and the text says the matrix was not run."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     started = time.time()
-    table = load_results(dirs)
-    scoring.check_versions(table)  # refuse rows of another task version before writing anything
+    table = paper_inputs.load_results(dirs)
+    outcomes.check_versions(table)  # refuse rows of another task version before writing anything
     (out / "figures").mkdir(parents=True, exist_ok=True)
     (out / "tables").mkdir(parents=True, exist_ok=True)
     setup()
@@ -772,49 +715,52 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     if matrix == "auto":
         matrix = MATRIX if dirs and all(Path(d) in DEFAULT_RESULTS for d in dirs) else None
     matrix = Path(matrix) if matrix is not None else None
-    matrix_table, matrix_reason = matrix_module.load_matrix(matrix)
+    matrix_table, matrix_reason = matrix_module.load_matrix(matrix, matrix_diagnostics(out))
     cells = classes = matrix_runs = None
     if matrix_table is not None:
         matched = matrix_module.matched_fixes(matrix_table)
-        matrix_runs = scoring.outcomes(matrix_table)
+        matrix_runs = outcomes.outcomes(matrix_table)
         cells = matrix_module.matrix_cells(matrix_runs, matched)
         classes = matrix_module.classify(cells, matched)
     # the results section compares like with like: methods ranked on the common default task set and detectors
     # scored on the same runs, both from the matrix when there is one; the experimental tasks apart
-    main_runs = scoring.outcomes(main)
+    main_runs = outcomes.outcomes(main)
     experimental = experimental_tasks(main)
     views = stabilizer_views(main_runs, experimental, matrix_runs)
     detectors = detector_source(main, main_runs, experimental, matrix_table, matrix_runs)
+    track = pd.DataFrame(skill.detector_track(detectors[0], detectors[1]))  # one scoring: a table and a figure
     figures = figure_list()
     drawn: set[str] = set()
-    for number, figure in enumerate(figures, start=1):
+    for number, (name, figure) in enumerate(figures, start=1):
         try:
             if figure.draw is fig_method_matrix:
                 if cells is None:
                     raise Skip(f"the matrix was not run: {matrix_reason}")
-                paths = matrix_module.draw_method_matrix(cells, out)
+                paths = matrix_module.draw_method_matrix(cells, out, name)
             elif figure.draw is fig_leaderboard:
-                paths = fig_leaderboard(main, out, views)
+                paths = fig_leaderboard(main, out, name, views)
             elif figure.draw is fig_latency:
-                paths = fig_latency(detectors[0], out, detectors[1])
+                paths = fig_latency(detectors[0], out, name, detectors[1], track)
             elif figure.draw is fig_precision_lead:
-                paths = fig_precision_lead(detectors[0], out, detectors[1])
+                paths = fig_precision_lead(detectors[0], out, name, detectors[1])
             elif figure.draw is fig_failure_map:
-                paths = fig_failure_map(detectors[0], out)
+                paths = fig_failure_map(detectors[0], out, name, detectors[1])
             else:
-                paths = figure.draw(table if figure.grid_cells else main, out)
+                paths = figure.draw(table if figure.grid_cells else main, out, name)
         except Skip as why:
             log(f"[{number:>2}/{len(figures)}] {figure.title}: skipped: {why}")
             continue
         written += paths
-        drawn.add(figure.name)
+        drawn.add(name)
         log(f"[{number:>2}/{len(figures)}] {figure.title}: {paths[0].with_suffix('.{pdf,png}')}")
-    values = write_tables(main, out, main_runs, views, detectors)
-    values["text:task_sections"] = task_sections(main, drawn)
+    values = write_tables(main, out, main_runs, views, detectors, track)
+    values["text:task_sections"] = task_sections(main, drawn, matrix_table)
     values.update(tuning_values(out))
     if cells is not None and classes is not None:
         matrix_module.write_matrix_tables(cells, classes, out)
     values.update(matrix_module.matrix_values(cells, classes, matrix, matrix_reason))
+    values.update(fidelity.write_fidelity(matrix_table, out, absent=f"the matrix was not run: {matrix_reason}",
+                                          calibration=main[main["task"].isin(experimental_tasks(main))]))
     written += sorted((out / "tables").glob("*"))
     text = render_text(values, out)
     if text:

@@ -1,9 +1,10 @@
 """Registries of tasks, stabilizers (methods), detectors and diagnostics.
 
 A name resolves, in order, to a built-in, to a Python entry point of an installed package (groups
-`stabench.tasks`, `stabench.stabilizers`, `stabench.detectors`), or to a reference of the form
-`path/to/file.py:ClassName` or `package.module:ClassName`. Built-ins are named by import path so that
-`stabench list` and the CLI's argument checks stay fast until a class is actually needed. A stabilizer named
+`stabench.tasks`, `stabench.stabilizers`, `stabench.detectors`; a world's environments: `stabench.worlds`), or to a
+reference of the form `path/to/file.py:ClassName` or `package.module:ClassName`. Built-ins are found in the
+source of their own modules (`discover`), so that `stabench list` and the CLI's argument checks stay fast until a
+class is actually needed, and no list names them by hand. A stabilizer named
 `verl:NAME` is verl's registered policy loss NAME, `verl:path/to/file.py:function` a function of verl's signature
 (`baselines/stabilizers/verl_losses.py`).
 """
@@ -14,20 +15,58 @@ import ast
 import functools
 import importlib
 import importlib.util
+import re
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from stabench.suite.api import Budget, Detector, StabenchError, Stabilizer, Task
+from stabench.suite.api import LISTED, Budget, Detector, StabenchError, Stabilizer, Task
 
-# Task modules register themselves: every top-level module of `stabench.tasks` that defines a `Task` subclass
-# with a literal `id` is a built-in task (`discover_tasks`). A plugin task joins through an entry point of the
-# group `stabench.tasks`, a `path/to/file.py:Class` reference, or `register_task(cls)`.
-TASK_PACKAGE = "stabench.tasks"
+# Built-ins register themselves, each from its own module: `discover(kind)` reads the source of the kind's modules
+# (never importing them, so `stabench list`, the CLI's argument checks and `import stabench` stay fast) and finds every
+# class that descends from the kind's contract class and sets a literal `name` (a task: `id`) in its own body, unless
+# that body sets `listed = False` (`api.LISTED`). A world module of `stabench.tasks.worlds` declares its gymnasium
+# environments in a module-level literal `environments`, in the format of `Task.environments`. A plugin of any kind
+# joins through an entry point of the kind's group (a world's: gymnasium id = entry point), a `path/to/file.py:Class`
+# reference, or (a task) `register_task(cls)`.
 
 
-def _literal_class_fields(node: ast.ClassDef, names: tuple[str, ...]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Kind:
+    """Where the built-ins of one kind live and how a class says it is one."""
+
+    key: str  # the literal class attribute that names a built-in (a world module: its `environments`)
+    root: str  # the contract class every built-in descends from
+    sources: tuple[str, ...]  # modules, and packages whose every top-level module is read, in this order
+    group: str  # the entry-point group of plugins
+    fields: tuple[str, ...] = ()  # further literal class attributes read with the name (inherited)
+    root_listed: bool = False  # the contract class itself is a built-in under its own name (the plain baseline)
+
+
+KINDS: dict[str, Kind] = {
+    "task": Kind("id", "Task", ("stabench.tasks",), "stabench.tasks", ("environments", "experimental")),
+    "stabilizer": Kind("name", "Stabilizer", ("stabench.suite.api", "stabench.suite.references",
+                                              "stabench.baselines.stabilizers"), "stabench.stabilizers",
+                       root_listed=True),
+    "detector": Kind("name", "Detector", ("stabench.suite.api", "stabench.suite.detectors", "stabench.suite.crossfit"),
+                     "stabench.detectors", ("from_metadata",)),
+    "world": Kind("environments", "", ("stabench.tasks.worlds",), "stabench.worlds"),
+}
+
+
+class Builtin(NamedTuple):
+    """A discovered built-in: `package.module:Class` (a world's environment: its entry point, and `kwargs`), and the
+    kind's literal `fields` of the class (a detector's also `learned`: it or a parent below `Detector` defines
+    `fit`)."""
+
+    ref: str
+    fields: Mapping[str, Any]
+
+
+def _literal_fields(node: ast.ClassDef | ast.Module, names: tuple[str, ...]) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for stmt in node.body:
         if isinstance(stmt, ast.Assign):
@@ -40,32 +79,89 @@ def _literal_class_fields(node: ast.ClassDef, names: tuple[str, ...]) -> dict[st
                 try:
                     found[target.id] = ast.literal_eval(value)
                 except ValueError as exc:
-                    what = f"{node.name}.{target.id}"
+                    what = f"{getattr(node, 'name', 'the module')}.{target.id}"
                     raise StabenchError(f"{what} must be a literal (it is read without importing)") from exc
     return found
 
 
+def _modules(sources: tuple[str, ...], declares: str = "") -> list[tuple[str, ast.Module]]:
+    """(module name, parsed source) of every module of `sources`, in order (a package's modules by file name);
+    `declares`: only the modules whose source assigns that name at the start of a line (the others are not parsed)."""
+    out = []
+    for source in sources:
+        spec = importlib.util.find_spec(source)
+        if spec is None:
+            raise StabenchError(f"cannot find the built-in modules {source!r}")
+        if spec.submodule_search_locations:
+            paths = [(f"{source}.{p.stem}", p) for folder in spec.submodule_search_locations
+                     for p in sorted(Path(folder).glob("*.py")) if not p.name.startswith("_")]
+        else:
+            paths = [(source, Path(str(spec.origin)))]
+        texts = [(module, path, path.read_text()) for module, path in paths]
+        out += [(module, ast.parse(text, filename=str(path))) for module, path, text in texts
+                if not declares or re.search(rf"^{declares}\b", text, re.MULTILINE)]
+    return out
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+
+
 @functools.cache
-def discover_tasks() -> dict[str, tuple[str, dict[str, Any]]]:
-    """The built-in tasks, read from the source of `stabench.tasks` without importing it (so the CLI's argument
-    checks and `import stabench` stay fast): task id -> ("stabench.tasks.module:Class", its `environments`)."""
-    spec = importlib.util.find_spec(TASK_PACKAGE)
-    found: dict[str, tuple[str, dict[str, Any]]] = {}
-    for folder in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
-        for path in sorted(Path(folder).glob("*.py")):
-            if path.name.startswith("_"):
+def discover(kind: str) -> dict[str, Builtin]:
+    """The built-ins of `kind` (task, stabilizer, detector or world), read from the source of their modules: name
+    (a world's: gymnasium id) -> `Builtin`, in source order. Two classes that claim one name are an error."""
+    spec = KINDS[kind]
+    found: dict[str, Builtin] = {}
+
+    def claim(name: Any, builtin: Builtin) -> None:
+        if name in found:
+            raise StabenchError(f"two built-in {kind}s are named {name!r}: {found[name].ref} and {builtin.ref}")
+        found[name] = builtin
+
+    if kind == "world":
+        for module, tree in _modules(spec.sources, declares=spec.key):
+            declared = _literal_fields(tree, ("environments",)).get("environments", {})
+            for env_id, (entry, kwargs) in environment_entries(module, declared).items():
+                claim(env_id, Builtin(entry, {"kwargs": kwargs}))
+        return found
+    modules = _modules(spec.sources)
+    classes = {node.name: node for _, tree in modules for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def chain(name: str) -> list[ast.ClassDef] | None:
+        """The class and its parents among the read classes, up to the root (None: not a descendant)."""
+        node = classes.get(name)
+        if name == spec.root:
+            return [node] if node is not None else []
+        for base in _base_names(node) if node is not None else []:
+            above = chain(base) if base != name else None
+            if above is not None:
+                return [node, *above]
+        return None
+
+    for module, tree in modules:
+        for node in tree.body:
+            parents = chain(node.name) if isinstance(node, ast.ClassDef) else None
+            if parents is None:
                 continue
-            tree = ast.parse(path.read_text(), filename=str(path))
-            for node in tree.body:
-                if not isinstance(node, ast.ClassDef):
-                    continue
-                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
-                if "Task" not in bases:
-                    continue
-                fields = _literal_class_fields(node, ("id", "environments"))
-                if isinstance(fields.get("id"), str):
-                    found[fields["id"]] = (f"{TASK_PACKAGE}.{path.stem}:{node.name}", fields.get("environments", {}))
+            own = _literal_fields(node, (spec.key, LISTED))
+            if not isinstance(own.get(spec.key), str) or own.get(LISTED) is False:
+                continue
+            if node.name == spec.root and not spec.root_listed:
+                continue
+            fields: dict[str, Any] = {}
+            for parent in reversed(parents):
+                fields.update(_literal_fields(parent, spec.fields))
+            if spec.root == "Detector":  # learned: a class below the contract's defines `fit`
+                fields["learned"] = any(isinstance(s, ast.FunctionDef) and s.name == "fit"
+                                        for parent in parents if parent.name != spec.root for s in parent.body)
+            claim(own[spec.key], Builtin(f"{module}:{node.name}", fields))
     return found
+
+
+def builtins(kind: str) -> dict[str, str]:
+    """The built-ins of `kind` by name -> `package.module:Class`."""
+    return {name: builtin.ref for name, builtin in discover(kind).items()}
 
 
 def environment_entries(module: str, environments: Any) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -87,10 +183,14 @@ def register_environments(entries: dict[str, tuple[str, dict[str, Any]]]) -> Non
 
 
 def builtin_environments() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every gymnasium id the built-in tasks declare."""
+    """Every gymnasium id the built-in tasks and worlds declare, and those of installed world plugins (entry points
+    of the group `stabench.worlds`: gymnasium id = entry point)."""
     entries: dict[str, tuple[str, dict[str, Any]]] = {}
-    for ref, environments in discover_tasks().values():
-        entries.update(environment_entries(ref.rpartition(":")[0], environments))
+    for builtin in discover("task").values():
+        entries.update(environment_entries(builtin.ref.rpartition(":")[0], builtin.fields.get("environments", {})))
+    entries.update({env_id: (b.ref, dict(b.fields["kwargs"])) for env_id, b in discover("world").items()})
+    for env_id, ep in _entry_points(KINDS["world"].group).items():
+        entries.setdefault(env_id, (ep.value, {}))
     return entries
 
 
@@ -102,92 +202,24 @@ def register_task(cls: type) -> type:
     environments. A Ray worker process must make the same call (import the module that makes it)."""
     if not (isinstance(cls, type) and issubclass(cls, Task)) or not isinstance(getattr(cls, "id", None), str):
         raise StabenchError(f"{cls!r} is not a stabench.Task subclass with an `id`")
-    if cls.id in discover_tasks() and discover_tasks()[cls.id][0] != f"{cls.__module__}:{cls.__qualname__}":
+    builtin = discover("task").get(cls.id)
+    if builtin is not None and builtin.ref != f"{cls.__module__}:{cls.__qualname__}":
         raise StabenchError(f"task id {cls.id!r} is a built-in task's")
     _REGISTERED_TASKS[cls.id] = cls
     register_environments(environment_entries(cls.__module__, cls.environments))
     return cls
 
 
-BUILTIN_STABILIZERS: dict[str, str] = {
-    "baseline": "stabench.suite.api:Stabilizer",
-    "no-update": "stabench.suite.references:NoUpdate",
-    "frozen-at-onset": "stabench.suite.references:FrozenAtOnset",
-    "entropy-bonus": "stabench.baselines.stabilizers.entropy:EntropyBonus",
-    "entropy-bonus-low": "stabench.baselines.stabilizers.entropy:EntropyBonusLow",
-    "kl-anchor": "stabench.baselines.stabilizers.kl:KLAnchor",
-    "kl-k2-anchor": "stabench.baselines.stabilizers.kl:KLk2Anchor",
-    "kl-k2": "stabench.baselines.stabilizers.kl:KLk2InLoss",
-    "kl-max": "stabench.baselines.stabilizers.kl:KLMaxInLoss",
-    "kl-k1-reward": "stabench.baselines.stabilizers.kl:KLk1InReward",
-    "clip-higher": "stabench.baselines.stabilizers.clipping:ClipHigher",
-    "dual-clip": "stabench.baselines.stabilizers.clipping:DualClip",
-    "advantage-clip": "stabench.baselines.stabilizers.clipping:AdvantageClip",
-    "grad-clip": "stabench.baselines.stabilizers.clipping:GradClip",
-    "token-tis": "stabench.baselines.stabilizers.importance:TokenTIS",
-    "seq-tis": "stabench.baselines.stabilizers.importance:SequenceTIS",
-    "token-mis": "stabench.baselines.stabilizers.importance:TokenMIS",
-    "seq-mis": "stabench.baselines.stabilizers.importance:SequenceMIS",
-    "geo-mis": "stabench.baselines.stabilizers.importance:GeometricMIS",
-    "turn-is": "stabench.baselines.stabilizers.importance:TurnLevelIS",
-    "variance-filter": "stabench.baselines.stabilizers.aggregation:VarianceFilter",
-    "difficulty-filter": "stabench.baselines.stabilizers.aggregation:DifficultyFilter",
-    "routing-replay": "stabench.baselines.stabilizers.routing:RolloutRoutingReplay",
-    "routing-replay-old": "stabench.baselines.stabilizers.routing:OldRoutingReplay",
-    "vtrace": "stabench.baselines.stabilizers.importance:VTrace",
-    "constant-norm": "stabench.baselines.stabilizers.aggregation:ConstantNorm",
-    "dr-grpo": "stabench.baselines.stabilizers.aggregation:DrGRPO",
-    "multiskip-residual": "stabench.baselines.stabilizers.architecture:MultiSkipResidual",
-    "markovian-chunks": "stabench.baselines.stabilizers.architecture:MarkovianChunks",
-    "mini-critics": "stabench.baselines.stabilizers.critics:MiniCritics",
-    "critic-warmup": "stabench.baselines.stabilizers.critics:CriticWarmup",
-    "chain": "stabench.baselines.stabilizers.critics:Chain",
-    "isotropic-gaussian": "stabench.baselines.stabilizers.representation:IsotropicGaussian",
-    "head-reset": "stabench.baselines.stabilizers.resets:HeadReset",
-    "conservative-ensemble": "stabench.baselines.stabilizers.reward_models:ConservativeEnsemble",
-    "brier-reward": "stabench.baselines.stabilizers.rewards:BrierReward",
-    "r2m-features": "stabench.baselines.stabilizers.reward_models:R2MFeatures",
-    "tool-state-groups": "stabench.baselines.stabilizers.tool_states:ToolStateGroups",
-    "cispo": "stabench.baselines.stabilizers.objectives:CISPO",
-    "gspo": "stabench.baselines.stabilizers.objectives:GSPO",
-    "sapo": "stabench.baselines.stabilizers.objectives:SAPO",
-    "clip-cov": "stabench.baselines.stabilizers.entropy:ClipCov",
-    "kl-cov": "stabench.baselines.stabilizers.entropy:KLCov",
-    "icepop": "stabench.baselines.stabilizers.importance:IcePop",
-    "m2po": "stabench.baselines.stabilizers.importance:M2PO",
-}
-
-BUILTIN_DETECTORS: dict[str, str] = {
-    "threshold": "stabench.suite.api:ThresholdDetector",
-    "calibrated-threshold": "stabench.suite.detectors:CalibratedThreshold",
-    "cusum": "stabench.suite.detectors:Cusum",
-    "page-hinkley": "stabench.suite.detectors:PageHinkley",
-    "never": "stabench.suite.detectors:Never",
-    "always": "stabench.suite.detectors:Always",
-    "random-1": "stabench.suite.detectors:RandomAlarm1",
-    "random": "stabench.suite.detectors:RandomAlarm",
-    "random-20": "stabench.suite.detectors:RandomAlarm20",
-    "oracle": "stabench.suite.detectors:Oracle",
-    "injection": "stabench.suite.detectors:Injection",
-    "method-prior": "stabench.suite.detectors:MethodPrior",
-    "logistic-z": "stabench.suite.crossfit:LogisticZ",
-}
-# Detectors scored from the run's metadata at scoring time (the ground truth, the injection, the method's failures on
-# other seeds), not from rows.
-SCORED_DETECTORS: tuple[str, ...] = ("oracle", "injection", "method-prior")
+# Detectors computed from the run's metadata at scoring time (`Detector.from_metadata`: the ground truth, the
+# injection, the method's failures on other seeds), not from rows.
+SCORED_DETECTORS: tuple[str, ...] = tuple(n for n, b in discover("detector").items() if b.fields.get("from_metadata"))
 # Learned detectors (they declare `Detector.fit`): cross-fitted over a finished run's rows (`suite.crossfit`).
-LEARNED_DETECTORS: tuple[str, ...] = ("logistic-z",)
+LEARNED_DETECTORS: tuple[str, ...] = tuple(n for n, b in discover("detector").items() if b.fields["learned"])
 # Detectors whose alarms a run records.
-DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in BUILTIN_DETECTORS
+DEFAULT_DETECTORS: tuple[str, ...] = tuple(d for d in discover("detector")
                                            if d not in SCORED_DETECTORS and d not in LEARNED_DETECTORS)
 
-BUILTIN_TASKS: dict[str, str] = {name: ref for name, (ref, _) in discover_tasks().items()}
-
-_KINDS: dict[str, tuple[dict[str, str], str, type]] = {
-    "task": (BUILTIN_TASKS, "stabench.tasks", Task),
-    "stabilizer": (BUILTIN_STABILIZERS, "stabench.stabilizers", Stabilizer),
-    "detector": (BUILTIN_DETECTORS, "stabench.detectors", Detector),
-}
+_BASES: dict[str, type] = {"task": Task, "stabilizer": Stabilizer, "detector": Detector}
 
 
 def is_reference(name: str) -> bool:
@@ -336,24 +368,26 @@ def _entry_points(group: str) -> dict[str, Any]:
 
 
 def names(kind: str) -> list[str]:
-    """Registered names of one kind: built-ins first, then tasks registered at run time, then installed entry
-    points."""
-    builtins, group, _ = _KINDS[kind]
-    extra = [n for n in _REGISTERED_TASKS if n not in builtins] if kind == "task" else []
-    return list(builtins) + extra + sorted(set(_entry_points(group)) - set(builtins) - set(extra))
+    """Registered names of one kind (a world's: gymnasium ids): built-ins first, then tasks registered at run time,
+    then installed entry points."""
+    found = discover(kind)
+    extra = [n for n in _REGISTERED_TASKS if n not in found] if kind == "task" else []
+    return list(found) + extra + sorted(set(_entry_points(KINDS[kind].group)) - set(found) - set(extra))
 
 
 def resolve_class(kind: str, name: str) -> type:
     """The class behind a name or reference, checked to be of the right kind."""
-    builtins, group, base = _KINDS[kind]
+    if kind not in _BASES:
+        raise StabenchError(f"a {kind} is not a class: its names are {', '.join(names(kind))}")
+    found, group, base = builtins(kind), KINDS[kind].group, _BASES[kind]
     if kind == "stabilizer" and split_setting(name)[1] is not None:
         return setting_class(*split_setting(name))[0]
     if kind == "stabilizer" and name.startswith(VERL_PREFIX):  # a verl policy loss (stabilizers/verl_losses.py)
         from stabench.baselines.stabilizers.verl_losses import method_class
 
         return method_class(name[len(VERL_PREFIX):])
-    if name in builtins:
-        cls = load_object(builtins[name])
+    if name in found:
+        cls = load_object(found[name])
     elif kind == "task" and name in _REGISTERED_TASKS:
         cls = _REGISTERED_TASKS[name]
     elif is_reference(name):
@@ -368,7 +402,7 @@ def resolve_class(kind: str, name: str) -> type:
             raise StabenchError(f"{kind} entry point {name!r} failed to load: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise StabenchError(f"{name!r} is not a {base.__module__}.{base.__name__} subclass")
-    if kind == "task" and name not in builtins:  # a plugin task's environments join gymnasium's registry
+    if kind == "task" and name not in found:  # a plugin task's environments join gymnasium's registry
         register_environments(environment_entries(cls.__module__, cls.environments))
     return cls
 
@@ -388,7 +422,7 @@ def method_name(ref: str) -> str:
         return ref
     cls = resolve_class("stabilizer", ref)
     name = getattr(cls, "name", "")
-    if not name or name == Stabilizer.name or name in BUILTIN_STABILIZERS:
+    if not name or name == Stabilizer.name or name in discover("stabilizer"):
         raise StabenchError(f"stabilizer {ref!r} must set a class attribute `name` not used by a built-in")
     return name
 

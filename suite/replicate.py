@@ -1,20 +1,27 @@
-"""`stabench verify DIR --replicate`: a finished run folder's trials re-run on this machine and compared with its rows.
+"""The re-runs of `stabench verify`: a run folder's own trials again (`--replicate`), or its leaderboard rows' methods
+on fresh seeds (`--fresh K`). `verify` without them only recomputes rows from stored results (`suite.leaderboard`).
 
-The trials (all of them, or only the named tasks and seeds) run again through the runner the folder was made with
-(its manifest's request: tier, methods and settings, knobs, detectors) in a temporary folder, removed after. Then:
+`--replicate`: the trials (all of them, or only the named tasks and seeds) run again through the runner the folder was
+made with (its manifest's request: tier, methods and settings, knobs, detectors) in a temporary folder, removed after.
+Then:
 - on the same machine (`fingerprint.same_machine` of the folder's manifest `fingerprint` and this machine's) rows are
   bit-identical, so every numeric column of every re-run row must equal the folder's, NaN equal to NaN;
 - on another machine (or a folder with no fingerprint) per task and method the mean normalized return after onset of
   the injected runs must stay within `tolerance` of the folder's on the same seeds, and no failure-rate verdict
-  (`leaderboard.verdict`) may flip between `fails` and `holds`.
+  (`verdict`) may flip between `fails` and `holds`.
 The tolerance rule (README, "Replicating a row"): max(FLOOR, Z * s * sqrt(2 / n)), with s the between-seed standard
 deviation of the folder's normalized return on the task pooled within its methods (`pooled_spread`) and n the seeds
 compared. Nothing in the folder or the leaderboard is written.
+
+`--fresh K` (`plan_fresh`, `run_fresh`): the method of every stabilizer row made from the folder, and the baseline,
+on K seeds drawn at verification time (`FRESH_SEEDS`, clear of every seed the suite scores, checks or tunes on); a
+row agrees when its aggregate's interval overlaps the fresh one and no task's failure-rate verdict flips.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -25,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from stabench.suite import registry, scoring
+from stabench.suite import outcomes, registry, statistics
 from stabench.suite.api import StabenchError
 from stabench.suite.results import METRICS
 from stabench.suite.trial import cell_name
@@ -83,6 +90,12 @@ def tolerance(spread: float, n: int) -> float:
     return max(FLOOR, Z * spread * math.sqrt(2 / n)) if n >= 1 else math.inf
 
 
+def verdict(rate: float) -> str:
+    """A task's failure-rate verdict, the calibration bar's: `fails` (at least 80% of runs), `holds` (at most 20%),
+    else `mixed`. Only opposite verdicts contradict each other: a few fresh seeds cannot place a rate finer."""
+    return "fails" if rate >= 0.8 else "holds" if rate <= 0.2 else "mixed"
+
+
 def pooled_spread(runs: pd.DataFrame) -> dict[str, float]:
     """Per task: the between-seed standard deviation of the injected runs' normalized return, pooled within the task's
     methods (s^2 = sum (n_m - 1) s_m^2 / sum (n_m - 1)); copies of the baseline's runs (`acts` False) are not counted
@@ -104,7 +117,7 @@ def pooled_spread(runs: pd.DataFrame) -> dict[str, float]:
 
 
 def _label(task: str, cell: str) -> str:
-    return f"{task} [{cell}]" if cell else task  # as `scoring.outcomes` names a grid cell's runs
+    return f"{task} [{cell}]" if cell else task  # as `outcomes.outcomes` names a grid cell's runs
 
 
 def _cells(table: pd.DataFrame) -> pd.DataFrame:
@@ -157,13 +170,11 @@ def first_differences(folder: pd.DataFrame, rerun: pd.DataFrame) -> dict[tuple[s
 
 def compare_runs(folder: pd.DataFrame, rerun: pd.DataFrame, spread_runs: pd.DataFrame | None = None,
                  exact: bool = False, differences: dict[tuple[str, str], str] | None = None) -> list[Check]:
-    """Compare per-run outcomes (`scoring.outcomes`: task, method, seed, variant, acts, failed, normalized_return) of
+    """Compare per-run outcomes (`outcomes.outcomes`: task, method, seed, variant, acts, failed, normalized_return) of
     the folder's runs that were re-run (`folder`) with the re-run's, per (task, method) of real runs (a method's
     copies of the baseline's runs are the baseline's check). `spread_runs`: the runs the spread is estimated from (the
     folder's every seed; default `folder`). `exact`: the verdict is `differences` (`first_differences`), the means
     shown beside it; else the tolerance rule and the failure-rate verdicts."""
-    from stabench.suite.leaderboard import verdict
-
     spread = pooled_spread(folder if spread_runs is None else spread_runs)
     mine = folder[folder["variant"] == "injected"]
     again = rerun[rerun["variant"] == "injected"]
@@ -212,10 +223,10 @@ def compare_runs(folder: pd.DataFrame, rerun: pd.DataFrame, spread_runs: pd.Data
 
 def compare(rep: Replication, rerun: pd.DataFrame) -> list[Check]:
     """The checks of a replication, given the re-run's table."""
-    folder_runs = scoring.outcomes(rep.chosen)
-    spread_runs = scoring.outcomes(rep.folder)
+    folder_runs = outcomes.outcomes(rep.chosen)
+    spread_runs = outcomes.outcomes(rep.folder)
     differences = first_differences(rep.chosen, rerun) if rep.exact else None
-    return compare_runs(folder_runs, scoring.outcomes(rerun), spread_runs, rep.exact, differences)
+    return compare_runs(folder_runs, outcomes.outcomes(rerun), spread_runs, rep.exact, differences)
 
 
 def _task_ids(table: pd.DataFrame, names: tuple[str, ...] | None, directory: Path) -> list[str]:
@@ -256,7 +267,7 @@ def plan(directory: Path, tasks: tuple[str, ...] | None = None, seeds: str | tup
     ids = _task_ids(table, tasks, directory)
     table = _cells(table)
     folder = table[table["task"].isin(ids)]
-    scoring.check_versions(folder)  # rows of another task version: today's task would not reproduce them
+    outcomes.check_versions(folder)  # rows of another task version: today's task would not reproduce them
     wanted = parse_seeds(seeds) if isinstance(seeds, str) else tuple(sorted(set(seeds))) if seeds else None
     for task in ids:
         held = {int(s) for s in folder.loc[folder["task"] == task, "seed"].unique()}
@@ -333,6 +344,113 @@ def summary(rep: Replication, checks: list[Check]) -> str:
            "and no verdict flip")
     return (f"replicate {rep.directory}: {ok} of {len(checks)} task-method checks ok, {len(rep.trials)} trials re-run "
             f"on seeds {seed_text(rep.seeds)} on {describe(rep.this_machine)}, {how}")
+
+
+# `verify --fresh K` draws K consecutive seeds from here, clear of every seed the suite scores, checks or tunes on.
+FRESH_SEEDS = range(10_000, 1_000_000)
+
+
+@dataclass(frozen=True)
+class FreshCheck:
+    """A planned `verify --fresh`: the rows of one run folder, and the sweep that re-runs them on fresh seeds."""
+
+    directory: Path
+    rows: tuple[dict, ...]
+    seeds: str
+    spec: Any  # runner.ExperimentSpec
+
+
+def plan_fresh(path: Path, directory: Path, k: int, seed_start: int | None = None) -> FreshCheck:
+    """Check a `verify --fresh` request and draw its seeds (`seed_start` repeats a draw); runs nothing.
+
+    Re-run: the method of every stabilizer row made from `directory`, and the baseline, on the run's tasks and tier,
+    on `k` consecutive seeds clear of every seed the run was made on, the scoring and fresh-check seeds and the
+    rows' tuning seeds."""
+    from stabench.suite import runner  # first: it sets the environment Ray reads when it is imported
+    from stabench.suite.leaderboard import load_run, read, results_digest
+    from stabench.suite.tune import RESERVED_SEEDS
+
+    if k < 1:
+        raise StabenchError(f"--fresh must be at least 1 seed, got {k}")
+    rows = read(path)
+    table, manifest, _ = load_run(directory)
+    digest = results_digest(table)
+    mine = tuple(r for r in rows if r["results_digest"] == digest and r["track"] == "stabilizer")
+    if not mine:
+        raise StabenchError(f"no stabilizer row of {path} was computed from {directory}: nothing to check afresh")
+    avoid = {int(s) for s in table["seed"].unique()} | {s for r in RESERVED_SEEDS.values() for s in r}
+    for r in mine:
+        avoid |= set(json.loads(r.get("tuning") or "{}").get("tuning_seeds", ()))
+    if seed_start is None:
+        import random
+
+        draw = random.SystemRandom()
+        seed_start = next(s for s in iter(lambda: draw.randrange(FRESH_SEEDS.start, FRESH_SEEDS.stop - k), None)
+                          if not avoid & set(range(s, s + k)))
+    elif seed_start < 0 or avoid & set(range(seed_start, seed_start + k)):
+        raise StabenchError(f"--seed-start {seed_start}: the fresh seeds must be at least 0 and clear of the seeds the "
+                            "run was made, scored or tuned on")
+    plain = table[table["cell"].fillna("") == ""] if "cell" in table else table
+    refs = [str(plain.loc[plain["method"] == r["name"], "method_ref"].iloc[0]) for r in mine]
+    spec = runner.ExperimentSpec(tier=manifest["spec"]["tier"], tasks=tuple(dict.fromkeys(plain["task_ref"])),
+                                 methods=tuple(dict.fromkeys(["baseline", *refs])), seeds=k, seed_start=seed_start,
+                                 detectors=())
+    spec.trials()  # every method and task still resolves, before anything runs
+    return FreshCheck(directory, mine, seed_text(range(seed_start, seed_start + k)), spec)
+
+
+def run_fresh(check: FreshCheck, address: str | None = None, cpus: int | None = None) -> tuple[list[str], list[str]]:
+    """Run a planned fresh check in a scratch folder (removed after) and compare; returns the lines of the rows that
+    agree and of those that do not.
+
+    A row agrees when, on the fresh seeds, the 95% interval of its aggregate overlaps the submitted one and no task's
+    failure-rate verdict (`verdict`) flips between `fails` and `holds`. Lenient on purpose: the fresh seeds are few,
+    and normalized return is anchored on floors fixed on seeds 0-9. With one seed per task on either side an interval
+    has no width, so only the verdicts are judged then. The leaderboard is only read."""
+    from stabench.suite import runner
+    from stabench.suite.leaderboard import _fmt
+
+    scratch = Path(tempfile.mkdtemp(prefix="stabench-fresh-"))
+    try:
+        exp = runner.prepare(scratch / "run", check.spec, resume=False)
+        names = ", ".join(dict.fromkeys(["baseline", *(r["name"] for r in check.rows)]))
+        print(f"stabench: fresh seeds {check.seeds} for {names}", file=sys.stderr, flush=True)
+        runner.execute(exp, address=address, num_cpus=cpus, tensorboard=False)
+        fresh = pd.read_parquet(scratch / "run" / METRICS)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    per_run = outcomes.outcomes(fresh)
+    aggregate = {a["method"]: a for a in statistics.across_tasks(per_run)}
+    rates = {(t["task"], t["method"]): t["failure_rate"] for t in statistics.stabilizer_track(fresh, per_run)}
+    agree, problems = [], []
+    for row in check.rows:
+        name, again = row["name"], aggregate[row["name"]]
+        low, high = float(row["ci_low"]), float(row["ci_high"])
+        told = f"{float(row['aggregate']):.3g} [{low:.3g}, {high:.3g}]"
+        found = f"{again['iqm']:.3g} [{again['ci_low']:.3g}, {again['ci_high']:.3g}]"
+        reasons = []
+        fresh_low, fresh_high = float(_fmt(again["ci_low"])), float(_fmt(again["ci_high"]))  # as a row holds them
+        judged = int(row["n_seeds"]) >= 2 and check.spec.seeds >= 2  # one seed per task: an interval of no width
+        if judged and not (fresh_low <= high and low <= fresh_high):
+            reasons.append(f"aggregate {found} on fresh seeds {check.seeds}, outside the submitted {told}")
+        failures = json.loads(row.get("failures") or "{}")
+        flipped = []
+        for task, (failed, n) in sorted(failures.items()):
+            before, now = verdict(failed / n), verdict(rates.get((task, name), math.nan))
+            if {before, now} == {"fails", "holds"}:
+                flipped.append(f"{task} {before} in the row, {now} afresh")
+        if flipped:
+            reasons.append("failure-rate verdicts flip: " + ", ".join(flipped))
+        checked = (f"{len(failures)} tasks' failure-rate verdicts agree" if failures
+                   else "no failure counts in the row (made before they were recorded)")
+        if reasons:
+            problems.append(f"stabilizer {name}: " + "; ".join(reasons))
+        else:
+            compared = (f"overlaps the submitted {told}" if judged else
+                        f"beside the submitted {told}, not judged (one seed per task on a side: an interval of no "
+                        "width)")
+            agree.append(f"stabilizer {name}: aggregate {found} on fresh seeds {check.seeds} {compared}; " + checked)
+    return agree, problems
 
 
 def command(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@ paper to see how their method did.
 
 It writes `OUT/report.md` with PNG figures (`OUT/figures/`) and CSV tables (`OUT/tables/`):
 - the run's methods (plugins and built-ins) against the baseline: IQM of normalized return and the probability
-  of improvement over the baseline, each with its 95% interval (`scoring.across_tasks`), and a figure of them;
+  of improvement over the baseline, each with its 95% interval (`statistics.across_tasks`), and a figure of them;
 - per task: the baseline, the matched fix, the highlighted methods and the references, injected runs (normalized
   return with its interval, failure rate) beside their control runs (the method's cost on healthy training),
   and the return curves over iterations with 95% bands over seeds;
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
-from stabench.suite import registry, scoring
+from stabench.suite import outcomes, registry, skill, statistics
 from stabench.suite.api import REFERENCE_METHODS, StabenchError
-from stabench.suite.figures import ONSET_STYLE, Skip, need, onset_line, save, setup
+from stabench.suite.figures import ONSET_STYLE, Skip, mean_ci, need, onset_line, save, setup
 
 MAX_ROWS_PER_TASK = 8  # beyond this (a matrix run) a task's table keeps the baseline, the fix, yours, the references
 BASE_COLOUR, FIX_COLOUR, OTHER_COLOUR = "0.15", "#0072B2", "0.55"
@@ -58,11 +58,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def plugin_methods(table: pd.DataFrame) -> list[str]:
     """The run's stabilizers that are not the suite's own (a FILE.py:Class or an entry point)."""
-    return sorted(m for m in table["method"].unique() if m not in registry.BUILTIN_STABILIZERS)
+    return sorted(m for m in table["method"].unique() if m not in registry.discover("stabilizer"))
 
 
 def plugin_detectors(detectors: list[str]) -> list[str]:
-    return sorted(d for d in detectors if d not in registry.BUILTIN_DETECTORS)
+    return sorted(d for d in detectors if d not in registry.discover("detector"))
 
 
 def colours(highlight: list[str]) -> dict[str, str]:
@@ -79,7 +79,7 @@ def methods_section(aggregate: pd.DataFrame, highlight: list[str], acts: dict[st
     order = aggregate.assign(_r=~aggregate["ranked"]).sort_values(["_r", "iqm"], ascending=[True, False])
     for r in order.itertuples():
         mine = r.method in highlight
-        kind = "plugin" if r.method not in registry.BUILTIN_STABILIZERS else "built-in"
+        kind = "plugin" if r.method not in registry.discover("stabilizer") else "built-in"
         where = acts.get(r.method, [])
         acts_on = "every task" if len(where) == n_tasks else f"{len(where)} of {_n(n_tasks, 'task')}"
         poi = _ci(getattr(r, "probability_of_improvement", math.nan), getattr(r, "poi_ci_low", math.nan),
@@ -103,7 +103,8 @@ def task_rows(track: pd.DataFrame, highlight: list[str]) -> pd.DataFrame:
         keep = track[track["role"].isin(["baseline", "matched-fix"]) | track["method"].isin(highlight)
                      | track["method"].isin(REFERENCE_METHODS)]
     # the baseline first, then the highlighted methods, the matched fix, other methods, the references
-    rank = [0.5 if m in highlight else scoring.ROLE_ORDER.get(role, 3) for m, role in zip(keep["method"], keep["role"])]
+    rank = [0.5 if m in highlight else statistics.ROLE_ORDER.get(role, 3)
+            for m, role in zip(keep["method"], keep["role"])]
     return keep.assign(_rank=rank).sort_values(["_rank", "method"]).drop(columns="_rank")
 
 
@@ -205,7 +206,7 @@ def draw_curves(table: pd.DataFrame, task: str, methods: list[str], highlight: l
         for ax, variant in zip(axes, ("injected", "control")):
             runs = mine[mine["variant"] == variant]
             if runs["return"].notna().any():
-                sns.lineplot(runs, x="iteration", y="return", errorbar=("ci", 95), seed=0, ax=ax, color=colour,
+                sns.lineplot(runs, x="iteration", y="return", errorbar=mean_ci, ax=ax, color=colour,
                              linewidth=width, err_kws={"alpha": 0.15}, label=method)
                 drawn += 1
     if not drawn:
@@ -245,7 +246,7 @@ def build(dirs: list[Path], out: Path, methods: list[str] | None = None,
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     table = load_tables(dirs)
-    scoring.check_versions(table)
+    outcomes.check_versions(table)
     if "cell" in table and (table["cell"].fillna("") != "").any():
         table = table[table["cell"].fillna("") == ""]  # a grid's cells are compared by the paper's grid figures
         if table.empty:
@@ -258,18 +259,18 @@ def build(dirs: list[Path], out: Path, methods: list[str] | None = None,
         raise StabenchError(f"--out {out} is a file, not a folder")
     highlight = list(dict.fromkeys(methods)) if methods else plugin_methods(table)
 
-    per_run = scoring.outcomes(table)
-    aggregate = pd.DataFrame(scoring.across_tasks(per_run))
-    track = pd.DataFrame(scoring.stabilizer_track(table, per_run))
+    per_run = outcomes.outcomes(table)
+    aggregate = pd.DataFrame(statistics.across_tasks(per_run))
+    track = pd.DataFrame(statistics.stabilizer_track(table, per_run))
     refs = table.drop_duplicates("task").set_index("task")["task_ref"]
     track["task_ref"] = track["task"].map(refs)
     acting = per_run[per_run["acts"]] if "acts" in per_run else per_run
     acts = {m: sorted(g["task"].unique()) for m, g in acting.groupby("method")}
-    detectors = pd.DataFrame(scoring.detector_track(table, per_run))
-    runs = scoring.detector_runs(table, per_run)
+    detectors = pd.DataFrame(skill.detector_track(table, per_run))
+    runs = skill.detector_runs(table, per_run)
     summary = []
     for detector, own in runs.groupby("detector") if not runs.empty else []:
-        value, low, high = scoring.detector_skill(own)
+        value, low, high = skill.detector_skill(own)
         if math.isfinite(value):
             summary.append({"detector": detector, "score": value, "ci_low": low, "ci_high": high,
                             "n_tasks": int(detectors.loc[detectors["detector"] == detector, "score"].notna().sum())})
@@ -289,7 +290,7 @@ def build(dirs: list[Path], out: Path, methods: list[str] | None = None,
     seeds = int(per_run.groupby(["task", "method"])["seed"].nunique().min())
     mine_text = ", ".join(
         f"**{m}**" + (f" (plugin `{table.loc[table['method'] == m, 'method_ref'].iloc[0]}`)"
-                      if m not in registry.BUILTIN_STABILIZERS else "") for m in highlight)
+                      if m not in registry.discover("stabilizer") else "") for m in highlight)
     parts = [
         f"# Report: {', '.join(str(d) for d in dirs)}", "",
         f"Tier {tiers}; {_n(len(tasks), 'task')}; {_n(len(run_methods), 'method')}; at least {_n(seeds, 'seed')} "
@@ -299,7 +300,7 @@ def build(dirs: list[Path], out: Path, methods: list[str] | None = None,
         (f"Highlighted: {mine_text}." if highlight else
          "No plugin method in this run: name a method with `--method` to highlight it."), "",
         "## Methods against the baseline", "",
-        methods_section(aggregate, highlight, acts, len(scoring.common_tasks(per_run)), len(tasks)),
+        methods_section(aggregate, highlight, acts, len(statistics.common_tasks(per_run)), len(tasks)),
     ]
     try:
         draw_methods(aggregate, highlight, out)

@@ -4,13 +4,13 @@ Per task, its paired diagnostic (`Task.detector`: metric and side) is read as th
 standardized against the run's own healthy statistics (`suite.detectors.healthy_stats` of the first `warmup`
 finite values among the pre-onset rows, the warm-up capped at the onset; a run with fewer than 2 has none and
 never alarms). For each threshold k (in healthy standard deviations, on the task's side), a run alarms at its first
-post-onset row beyond k. Over every run the detector track scores (all methods, `scoring.detector_rows`):
+post-onset row beyond k. Over every run the detector track scores (all methods, `skill.detector_rows`):
 
 - `precision`: failing runs that alarmed / all runs that alarmed (chance: the share of failing runs, `base_rate`);
 - `recall`: failing runs that alarmed / failing runs; `false_alarm_rate`: healthy runs (controls and injected runs
   that stayed healthy) that alarmed / healthy runs;
 - `median_lead`: over the alarmed failing runs whose failure became visible in the return
-  (`scoring.visible_failure_at`), the median of visible_at - first alarm, in iterations (> 0: warned before).
+  (`skill.visible_failure_at`), the median of visible_at - first alarm, in iterations (> 0: warned before).
 
 Pure numpy per run: the whole method matrix takes seconds.
 """
@@ -29,17 +29,17 @@ def precision_lead(table: pd.DataFrame, per_run: pd.DataFrame | None = None,
                    thresholds: tuple[float, ...] = THRESHOLDS) -> pd.DataFrame:
     """One row per (task, threshold): task, diagnostic, side, threshold, precision, recall, false_alarm_rate,
     median_lead, base_rate, n_failures, n_healthy (see the module docstring)."""
-    from stabench.suite import scoring
+    from stabench.suite import outcomes, skill
     from stabench.suite.detectors import default_warmup, healthy_stats
 
-    per_run = scoring.outcomes(table) if per_run is None else per_run
+    per_run = outcomes.outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
-    rows = scoring.detector_rows(table)
+    rows = skill.detector_rows(table)
     rows = rows[rows["cell"].fillna("") == ""] if "cell" in rows else rows
     ks = np.asarray(thresholds, float)
     out = []
     for task_id, task_rows in rows.groupby("task", sort=True):
-        task = scoring.task_of(task_rows, "")
+        task = outcomes.task_of(task_rows, "")
         metric, above = task.detector.metric, task.detector.above
         if metric not in task_rows:
             continue
@@ -66,7 +66,7 @@ def precision_lead(table: pd.DataFrame, per_run: pd.DataFrame | None = None,
             first.append(alarm_at)
             positive = variant == "injected" and fails
             kinds.append(positive)
-            leads_at.append(scoring.visible_failure_at(run, runs.get((method, seed, "control")), task, onset)
+            leads_at.append(skill.visible_failure_at(run, runs.get((method, seed, "control")), task, onset)
                             if positive else math.nan)
         if not first or not any(kinds):
             continue

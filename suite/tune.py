@@ -156,7 +156,7 @@ def _setting_trainable(config: dict) -> None:
     over the tuning seeds; reports the aggregate so far, the runs and the CPU-seconds spent."""
     import numpy as np
     from ray import tune
-    from stabench.suite import scoring
+    from stabench.suite import outcomes, statistics
     from stabench.suite.trial import TrialSpec, run_trial
 
     job = config["job"]
@@ -171,13 +171,13 @@ def _setting_trainable(config: dict) -> None:
             table = run_trial(TrialSpec(task, method, int(seed), job["tier"], detectors=()))
             cpu += time.process_time() - started
             runs += 1
-            per_run = scoring.outcomes(table)
+            per_run = outcomes.outcomes(table)
             for variant, pool in (("injected", injected), ("control", control)):
                 values = per_run.loc[per_run["variant"] == variant, "normalized_return"].dropna()
                 pool.extend(float(v) for v in values)
             failed += int(per_run.loc[per_run["variant"] == "injected", "failed"].sum())
-        tune.report({"iqm": float(scoring._iqm(np.array(injected))) if injected else math.nan,
-                     "control_iqm": float(scoring._iqm(np.array(control))) if control else math.nan,
+        tune.report({"iqm": float(statistics.iqm(np.array(injected))) if injected else math.nan,
+                     "control_iqm": float(statistics.iqm(np.array(control))) if control else math.nan,
                      "tasks_done": done, "runs": runs, "cpu_seconds": round(cpu, 2),
                      "failure_rate": failed / runs, "setting": registry.setting_text(setting)})
 
@@ -259,14 +259,14 @@ def tune_method(method: str, *, tier: str = "quick", tasks: Sequence[str] | None
     baseline_runs, baseline_cpu = 0, 0.0
     if idle:  # the tasks where the method does not act score its runs as the baseline's: run those once
         import pandas as pd
-        from stabench.suite import scoring
+        from stabench.suite import outcomes
 
         spec = runner.ExperimentSpec(tier=tier, tasks=tuple(canonical[t] for t in idle), methods=("baseline",),
                                      seeds=n_seeds, seed_start=seed_start, detectors=())
         exp = runner.prepare(folder / "baseline", spec, resume=False)
         print(f"stabench: the baseline on the {len(idle)} tasks where {name} does not act", file=sys.stderr)
         runner.execute(exp, address=address, num_cpus=cpus, tensorboard=False)
-        per_run = scoring.outcomes(pd.read_parquet(folder / "baseline" / runner.METRICS))
+        per_run = outcomes.outcomes(pd.read_parquet(folder / "baseline" / runner.METRICS))
         for variant, pool in (("injected", fixed), ("control", fixed_control)):
             for task, g in per_run[per_run["variant"] == variant].groupby("task"):
                 pool[task] = [float(v) for v in g["normalized_return"].dropna()]

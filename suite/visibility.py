@@ -53,6 +53,11 @@ VISIBLE: dict[str, tuple[str, ...]] = {
         'grad_norm/06', 'grad_norm/07', 'grad_norm/08', 'grad_norm/09', 'grad_norm_total', 'iteration', 'reward',
         'step',
     ),
+    'clip-asymmetry': (
+        'clip_frac', 'entropy', 'entropy_trend', 'grad_norm/00', 'grad_norm/01', 'grad_norm/02', 'grad_norm/03',
+        'grad_norm/04', 'grad_norm/05', 'grad_norm/06', 'grad_norm/07', 'grad_norm/08', 'grad_norm/09',
+        'grad_norm_total', 'iteration', 'reward', 'step',
+    ),
     'dead-layers': (
         'approx_kl', 'clip_frac', 'dormant_share', 'entropy', 'episodes', 'grad_norm/00', 'grad_norm/01',
         'grad_norm/02', 'grad_norm/03', 'grad_norm/04', 'grad_norm/05', 'grad_norm/06', 'grad_norm/07',

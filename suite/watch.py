@@ -10,6 +10,8 @@ given with `--threshold`, and from a stand-in budget whose onset is twice `--war
 from the first `max(3, onset // 2)` finite values). The row a detector sees holds `iteration` (the log's step) and
 every name of the log, mapped or not, with NaN where the log has no value at that step: a missing value is never
 a zero. Never in it, as in the suite: `return`, `gt_*`, `alarm/*`, `knob_*` and the harness's bookkeeping columns.
+A learned detector (one that declares a fit step, `suite.crossfit`) is refused: it is only ever fitted on other runs
+than the one it watches, and a single log offers none.
 
 Output: one line per alarm raised on stdout, `step, detector, diagnostic, value` (a detector that stays in alarm is
 printed again only after it clears); the notes on stderr: what was read and watched, one line per detector that
@@ -438,14 +440,19 @@ def _missing_text(metric: str, available: Iterable[str]) -> str:
 
 def plan(refs: Iterable[str], watched: Mapping[str, bool], thresholds: Mapping[str, float],
          available: Iterable[str], warmup: int, key: str) -> Plan:
-    """Build every detector on every watched diagnostic it can run on; one note per detector that cannot run."""
-    from stabench.suite import registry
+    """Build every detector on every watched diagnostic it can run on; one note per detector that cannot run. A
+    learned detector is an error, before any is built."""
+    from stabench.suite import crossfit, registry
 
     available = set(available)
     budget = watch_budget(warmup)
     result = Plan()
-    for ref in refs:
-        cls = registry.resolve_class("detector", ref)
+    classes = [registry.resolve_class("detector", ref) for ref in refs]
+    for cls in classes:
+        if crossfit.is_learned(cls):
+            raise StabenchError(f"detector {cls.name!r} is learned (it declares a fit step): it cannot be cross-fitted "
+                                "on a single log, which holds no other runs to fit it on")
+    for cls in classes:
         name = cls.name
         if name in registry.SCORED_DETECTORS:
             result.notes.append(f"{name}: cannot run: it is computed from a run's ground truth at scoring time, "

@@ -252,14 +252,14 @@ class CalibrationCollapseRun(GRPORun):
 
 
 # --- The figure. -------------------------------------------------------------------------------------------
-def draw_calibration(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_calibration(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Stated confidence beside the chance of being right: a binary reward leaves the confidence where it was."""
     from stabench.suite import figures
 
     panels = [("heldout_confidence", "mean stated confidence"),
               ("heldout_accuracy", "chance of being right (accuracy)"),
               ("heldout_brier", "Brier gap (ground truth)")]  # fmt: skip
-    return figures.fix_against_baseline(table, "calibration-collapse", panels, out, "18_calibration_collapse")
+    return figures.fix_against_baseline(table, "calibration-collapse", panels, out, name)
 
 
 class CalibrationCollapse(Task):
@@ -282,7 +282,7 @@ class CalibrationCollapse(Task):
     environments = {"stabench/CalibrationCollapse-v0": "CalibrationCollapseEnv"}
     figures = (
         Figure(
-            "18_calibration_collapse",
+            "calibration",
             "stated confidence against accuracy",
             "calibration-collapse: the mean stated confidence, the chance of being right and the Brier gap between "
             "them (the ground truth), baseline and Brier reward, injected and control.",
@@ -291,10 +291,11 @@ class CalibrationCollapse(Task):
     )
     paper = """On calibration-collapse the policy states a confidence after each answer, and from onset its problems
 can only be guessed (1 in 3 or 4). Under the binary reward the stated confidence stays at the warm start's
-(0.81-0.89) while the chance of being right falls to 0.18-0.23: the confidence token gets no expected gradient
-from a reward that does not read it, and the KL term holds it where it was. A Brier term in the reward (RLCR)
-brings it down to 0.36-0.46 and fails no seed; the KL anchor holds it harder and fails every seed, its control
-included."""
+({tail:heldout_confidence:baseline}) while the chance of being right falls to {tail:heldout_accuracy:baseline}: the
+confidence token gets no expected gradient from a reward that does not read it, and the KL term holds it where it
+was. A Brier term in the reward (RLCR) brings it down to {tail:heldout_confidence:brier-reward} and fails
+{failed:brier-reward} seeds; the KL anchor holds it harder and fails {failed:kl-anchor}, its control
+{failed:kl-anchor:control}."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> CalibrationCollapseRun:
         return CalibrationCollapseRun(self.budget(tier), seed, stabilizer, self.diagnostics)

@@ -30,7 +30,7 @@ Setting (everything the task fixes lives in this file):
   quick tier) is below 0.5, well above the uniform policy's exact 0.169 and the exact return of the policy
   frozen at onset; the new room's optimum is 0.865 (forward, turn right, forward).
 - Anchors: `return_floor` = the exact expected return in the new room of the baseline's policy frozen at
-  onset (dynamic programming over the room's table, `RoomTable.evaluate`), its mean over seeds 0-9 fixed as a
+  onset (dynamic programming over the room's table, `GridTable.evaluate`), its mean over seeds 0-9 fixed as a
   number. `return_ceiling` = what the baseline's control reaches: its mean true return over the post-onset
   phase, mean over seeds 0-9, fixed as a number (below the exact optimum: the control spends the first
   post-onset updates re-learning, and the average counts them).
@@ -82,8 +82,8 @@ import numpy as np
 import torch
 from stabench.baselines.models import PlainMLP, make_spec
 from stabench.baselines.ppo import PPO, PPOConfig
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.suite.figures import need, save
 from stabench.tasks.worlds.grids import N_ACTIONS, make_vector_env, room_table
 
@@ -133,7 +133,7 @@ def new_room():
     return room_table(SIZE, NEW_MAX_STEPS, NEW_GOAL)
 
 
-class DeadLayersRun:
+class DeadLayersRun(DiagnosedRun):
     """One seed: the vector env, the network, Adam and the sampling generator all live in `self.trainer`."""
 
     def __init__(
@@ -150,7 +150,7 @@ class DeadLayersRun:
         self.iteration = 0
         self.injected = False
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         if self.iteration == self.onset:  # both branches: the room changes (each env at its next reset)
             self.trainer.envs.call("change_room", NEW_GOAL, NEW_MAX_STEPS)
         if injected and not self.injected:
@@ -170,12 +170,10 @@ class DeadLayersRun:
             "approx_kl": state.losses["approx_kl"],
             "clip_frac": state.losses["clip_frac"],
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return {k: float(v) for k, v in row.items()}
+        return {k: float(v) for k, v in row.items()}, state
 
 
-def draw_grad_heatmap(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_grad_heatmap(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Per-layer gradient norm (layer x iteration), the baseline's lowest seed, control beside injected."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -196,7 +194,7 @@ def draw_grad_heatmap(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_xlabel("iteration")
     axes[0].set_ylabel("layer (input to output)")
     axes[0].set_yticklabels([c.split("/")[1] for c in layers], rotation=0)
-    return save(fig, out, "03_layer_gradient_heatmap")
+    return save(fig, out, name)
 
 
 class DeadLayers(Task):
@@ -217,14 +215,10 @@ class DeadLayers(Task):
     diagnostics = ("grad_norms", "dormant")
     return_floor = 0.172  # exact post-onset return of the baseline policy frozen at onset, mean over seeds 0-9
     return_ceiling = 0.602  # the baseline control's post-onset mean return, mean over seeds 0-9 (measured once)
-    # The empty rooms of the PPO grid tasks (`worlds.grids.WORLDS`): this task trains on the 5x5 one.
-    environments = {
-        "stabench/EmptyFlat-5x5-v0": ("stabench.tasks.worlds.grids:make_empty_flat", {"size": 5}),
-        "stabench/EmptyFlat-8x8-v0": ("stabench.tasks.worlds.grids:make_empty_flat", {"size": 8}),
-    }
+    # Its world, the 5x5 empty room (`ENV_ID`), is registered by `worlds.grids` (its `environments`).
     figures = (
         Figure(
-            "03_layer_gradient_heatmap",
+            "gradient-heatmap",
             "per-layer gradient heatmap",
             "Per-layer gradient norms of the 16-layer plain network, control beside injected run.",
             draw_grad_heatmap,

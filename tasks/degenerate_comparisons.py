@@ -167,11 +167,11 @@ class DegenerateComparisonsRun(GRPORun):
 
 
 # --- The figure and the task. ------------------------------------------------------------------------------
-def draw_degenerate(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_degenerate(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Held-out accuracy beside the policy's KL to the warm start: the silent groups leave the KL in charge."""
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
               ("full_vocab_kl", "per-token KL(pi || warm start)")]  # fmt: skip
-    return fix_against_baseline(table, "degenerate-comparisons", panels, out, "14_degenerate_comparisons")
+    return fix_against_baseline(table, "degenerate-comparisons", panels, out, name)
 
 
 class DegenerateComparisons(Task):
@@ -199,7 +199,7 @@ class DegenerateComparisons(Task):
     environments = {"stabench/DegenerateComparisons-v0": "DegenerateComparisonsEnv"}
     figures = (
         Figure(
-            "14_degenerate_comparisons", "silent groups and the KL pull",
+            "silent-groups", "silent groups and the KL pull",
             "degenerate-comparisons: exact held-out accuracy (left) and the policy's KL to the warm start (right), "
             "baseline and variance filter, injected and control.",
             draw_degenerate,

@@ -202,7 +202,7 @@ class HardSampleShortcutsRun(GRPORun):
 
 
 # --- The figure and the task. ------------------------------------------------------------------------------
-def draw_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_shortcuts(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Held-out accuracy beside the shortcut's rate: lucky successes on impossible problems teach the shortcut."""
     rows = need(table, "hard-sample-shortcuts", "heldout_accuracy", "shortcut_rate")
     rows = rows[(rows["role"].isin(["baseline", "matched-fix"]) | (rows["method"] == "variance-filter"))]
@@ -210,7 +210,7 @@ def draw_shortcuts(table: pd.DataFrame, out: Path) -> list[Path]:
     rows = rows.assign(run=rows["method"] + " (" + rows["variant"] + ")")
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
               ("shortcut_rate", "share of answers copying a prompt digit")]  # fmt: skip
-    return side_by_side(rows, panels, "run", "hard-sample-shortcuts", out, "17_hard_sample_shortcuts")
+    return side_by_side(rows, panels, "run", "hard-sample-shortcuts", out, name)
 
 
 class HardSampleShortcuts(Task):
@@ -237,7 +237,7 @@ class HardSampleShortcuts(Task):
     environments = {"stabench/HardSampleShortcuts-v0": "HardSampleShortcutsEnv"}
     figures = (
         Figure(
-            "17_hard_sample_shortcuts", "lucky shortcuts on impossible problems",
+            "shortcuts", "lucky shortcuts on impossible problems",
             "hard-sample-shortcuts: exact held-out accuracy (left) and the share of answers copying a prompt digit "
             "(right), baseline (injected and control), variance filter and difficulty filter (injected).",
             draw_shortcuts,
@@ -245,12 +245,13 @@ class HardSampleShortcuts(Task):
     )  # fmt: skip
     paper = """On hard-sample-shortcuts six of the eight groups of each injected batch are nearly impossible
 problems whose only successes are lucky answers that copy a digit of the question, while a new rule must be
-learned from the other two; the baseline relearns that habit (30% of its held-out answers copy a prompt digit in
-the tail, the control's 10%) and fails every seed. The variance filter, which drops the all-wrong groups but keeps
-those with one lucky success, fixes only the dilution part and fails 4 of 10 seeds; dropping every group whose
-success rate is at most 1/8 (the difficulty filter) removes the lucky push and fails 1 of 10. Neither the std
-division nor the size of the lucky advantage drives it: without the division (Dr. GRPO) and with advantages
-clipped to 1 the baseline fails every seed."""
+learned from the other two; the baseline relearns that habit ({tail_percent:shortcut_rate:baseline} of its
+held-out answers copy a prompt digit in the tail, the control's {tail_percent:shortcut_rate:baseline:control}) and
+fails {failed:baseline} seeds. The variance filter, which drops the all-wrong groups but keeps those with one lucky
+success, fixes only the dilution part and fails {failed:variance-filter} seeds; dropping every group whose success
+rate is at most 1/8 (the difficulty filter) removes the lucky push and fails {failed:difficulty-filter}. Neither
+the std division nor the size of the lucky advantage drives it: the baseline without the division (Dr. GRPO) fails
+{failed:dr-grpo} seeds, and with advantages clipped to 1, {failed:advantage-clip}."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> HardSampleShortcutsRun:
         return HardSampleShortcutsRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs)

@@ -311,13 +311,13 @@ class InferenceMismatchRun(GRPORun):
 
 
 # --- The figure. -------------------------------------------------------------------------------------------
-def draw_engine_kl(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_engine_kl(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """The training-inference KL over training and against each run's normalized return."""
     from stabench.suite import figures
 
     rows = figures.need(table, "inference-mismatch", "engine_kl")
     return figures.gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
-                                      "15_inference_mismatch")  # fmt: skip
+                                      name)  # fmt: skip
 
 
 class InferenceMismatch(Task):
@@ -344,7 +344,7 @@ class InferenceMismatch(Task):
     environments = {"stabench/InferenceMismatch-v0": "InferenceMismatchEnv"}
     figures = (
         Figure(
-            "15_inference_mismatch",
+            "engine-kl",
             "training-inference KL against return",
             "inference-mismatch: the training-inference KL over training (left) and against each run's "
             "normalized return (right).",

@@ -238,7 +238,7 @@ class KLEstimatorBiasRun(GRPORun):
         }
 
 
-def fig_kl_estimators(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_kl_estimators(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Estimated KL (k1, k2, k3, batch means per token) against the exact per-token KL (summed over the
     vocabulary at the sampled prefixes), baseline and the matched fix."""
     import matplotlib.pyplot as plt
@@ -259,7 +259,7 @@ def fig_kl_estimators(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_xlabel("iteration")
     axes[0][0].set_ylabel("KL(policy || reference) per token [nats]")
     axes[0][-1].legend(loc="upper left")
-    return save(fig, out, "02_kl_estimators")
+    return save(fig, out, name)
 
 
 class KLEstimatorBias(Task):
@@ -287,7 +287,7 @@ class KLEstimatorBias(Task):
     return_ceiling = 6.413460597905584
     environments = {"stabench/KLTokens-v0": "KLTokensEnv"}
     figures = (
-        Figure("02_kl_estimators", "KL estimators vs exact KL",
+        Figure("estimators", "KL estimators vs exact KL",
                "Per-token KL estimates (k1, k2, k3) against the exact per-token KL, baseline (k3 in the loss) and "
                "the max-of-estimators fix.", fig_kl_estimators),
     )  # fmt: skip

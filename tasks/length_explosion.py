@@ -27,9 +27,9 @@ Mechanism (as measured on seeds 0-9; numbers in results/calibration.md). The rep
 hold the batch mean up (about 5 x 2 / 16 at onset against the new problems' chance 0.1): every answer on a new
 problem whose reward is 0 gets A = -mean_batch R, a large negative advantage, and per-sequence normalization spreads
 it over the answer's tokens, so a longer wrong answer is pushed down less per token and stopping later is favoured.
-Under the baseline the new problems' chains grow to the cap within the run (mean THINK count 9.5-12 of 12 at the
-end, two thirds or more of the chains truncated unanswered: reward 0 whatever they would have answered), so the new
-rule is not learned, while the replayed old problems stay solved. Dr. GRPO (`dr-grpo`: group-mean baseline, constant
+Under the baseline the new problems' chains grow to the cap within the run (mean THINK count at or near the cap of
+12 at the end, most chains truncated unanswered: reward 0 whatever they would have answered), so the new rule is
+not learned, while the replayed old problems stay solved. Dr. GRPO (`dr-grpo`: group-mean baseline, constant
 normalization) removes both the replay's share of the baseline (a group is compared with itself) and the length
 bias; its chains stay at 2-4 THINK tokens and it learns the new problems nearly as the control does: the matched
 fix. Constant normalization alone (`constant-norm`) also holds the chains at 2-4, but keeps the batch-mean baseline,
@@ -77,8 +77,8 @@ import pandas as pd
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
 from stabench.baselines.models import SameWeights
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.suite.figures import need, side_by_side
 from stabench.tasks.worlds.tokens import WarmStart, answer_logits, on_default_device
 from torch import nn
@@ -358,7 +358,7 @@ class Knobs:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class LengthExplosionRun:
+class LengthExplosionRun(DiagnosedRun):
     """One seed under one method: the GRPO trainer (policy, optimizer, sampler) and the prompt sampler."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
@@ -379,7 +379,7 @@ class LengthExplosionRun:
         new = N_OLD + self.rng.integers(0, N_OLD, N_GROUPS - n_old)
         return on_default_device(np.concatenate([old, new]))
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         post = self.trainer.iteration >= self.budget.onset
         reward = self.mixed_reward if post and injected else gold_reward
         state = self.trainer.iterate(reward, ALL_PROMPTS[self.prompts(injected)])
@@ -402,17 +402,15 @@ class LengthExplosionRun:
             "reward": float(state.batch["rewards"].mean()),
             "reward_new": float(state.batch["rewards"][new_groups].mean()) if bool(new_groups.any()) else 0.0,
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
-def fig_length(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_length(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Length beside exact gold accuracy: chains that grow without accuracy gain are the failure."""
     rows = need(table, "length-explosion", "length_mean", "gt_accuracy")
     rows = rows[(rows["variant"] == "injected") & rows["role"].isin(["baseline", "matched-fix"])]
     panels = [("length_mean", "mean answer length [tokens]"), ("gt_accuracy", "exact gold accuracy")]
-    return side_by_side(rows, panels, "method", "length-explosion, injected runs", out, "06_length_accuracy")
+    return side_by_side(rows, panels, "method", "length-explosion, injected runs", out, name)
 
 
 class LengthExplosion(Task):
@@ -442,7 +440,7 @@ class LengthExplosion(Task):
     knobs_type = Knobs
     environments = {"stabench/LengthExplosion-v0": "LengthExplosionEnv"}
     figures = (
-        Figure("06_length_accuracy", "reasoning length and accuracy",
+        Figure("length-accuracy", "reasoning length and accuracy",
                "Mean answer length and exact gold accuracy on the new problems of length-explosion, baseline and "
                "Dr. GRPO.", fig_length),
     )  # fmt: skip

@@ -29,7 +29,7 @@ tier, floor and ceiling on seeds 0-9; the detector threshold on seeds 100-109 on
 version 4's seeds 100-109 runs). The measured numbers are in results/calibration.md.
 
 Version 4 (why the horizon and onset moved; numbers in results/calibration.md). In version 3 (chain of 8, onset
-7, 60 iterations) the fix failed 3 of 10 fresh seeds. Those seeds did not start from a rarer long signal (their
+7, 60 iterations) the fix failed on some fresh seeds. Those seeds did not start from a rarer long signal (their
 long success at onset was among the highest) nor from another batch (the mix is fixed); what differed was a race
 after onset: within a few iterations one sub-step of the long chain, which moves with the short problems' same
 position in this policy, collapsed to a wrong token before the first few long successes arrived, and once one
@@ -68,8 +68,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
-from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import POLICY_REUSE, Budget, DetectorSpec, Figure, GroundTruth, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.suite.figures import lines, need
 from stabench.tasks.worlds.scaffold import OnsetKnobs
 from stabench.tasks.worlds.tokens import AnswerEnv, answer_logits, tiny_policy
@@ -132,7 +132,7 @@ def exact_success(model: nn.Module) -> tuple[float, float, float]:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class MissingCriticRun:
+class MissingCriticRun(DiagnosedRun):
     """One seed under one method: the GRPO trainer holds the policy, optimizer, sampler and stabilizer state."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...]) -> None:
@@ -143,7 +143,7 @@ class MissingCriticRun:
         reference = tiny_policy(N_ACTIONS, PROMPTS.shape[1] + CHAIN_LEN, **MODEL)  # unused: beta = 0
         self.trainer = GRPO(policy, reference, dense_reward, replace(GRPO_CONFIG, seed=seed), stabilizer)
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         switched = injected and self.trainer.iteration >= self.budget.onset
         state = self.trainer.iterate(sparse_reward if switched else dense_reward, PROMPTS)
         success, step_acc, short_success = exact_success(self.trainer.policy)
@@ -156,14 +156,12 @@ class MissingCriticRun:
             "short_success": short_success,
             "reward": float(state.batch["rewards"].mean()),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
-def fig_pg_variance(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_pg_variance(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     rows = need(table, "missing-critic", "grad_var")
-    return lines(rows, "grad_var", "policy-gradient variance across minibatches", out, "05_pg_variance", log=True)
+    return lines(rows, "grad_var", "policy-gradient variance across minibatches", out, name, log=True)
 
 
 class MissingCritic(Task):
@@ -192,7 +190,7 @@ class MissingCritic(Task):
     knobs_type = OnsetKnobs  # the iteration the sparse reward switches on
     environments = {"stabench/WalkChain-v0": "WalkChainEnv"}
     figures = (
-        Figure("05_pg_variance", "policy-gradient variance",
+        Figure("pg-variance", "policy-gradient variance",
                "Policy-gradient variance across minibatches on missing-critic, baseline and mini-critics.",
                fig_pg_variance),
     )
@@ -203,10 +201,11 @@ successes push the 8 tokens they leave unscored, which the long chain shares, at
 problem's signal comes from a handful of rare successes: the baseline solves the short problems and stalls on
 the long one, and its gradient variance across minibatches jumps at onset. Neither the sparse reward alone
 (long problems only do not stall) nor entropy explains it. Mini-critics, small critics that give the unscored
-tokens advantages near 0 and the long chain per-token credit, learn it on every calibration seed. The fix's
-margin is a race: if the sparse reward switches on while the long chain is still solved about once in a hundred
-tries (an earlier version, with a chain of 8 and an earlier onset), a shared sub-step can collapse to a wrong
-token before the first long successes arrive, and the fix failed 3 of 10 fresh seeds (figure below)."""
+tokens advantages near 0 and the long chain per-token credit, learn it ({failed:mini-critics} runs fail, the
+baseline {failed:baseline}). The fix's margin is a race: if the sparse reward switches on while the long chain is
+still rarely solved (an earlier version, with a chain of 8 and an earlier onset), a shared sub-step can collapse to
+a wrong token before the first long successes arrive, and the fix failed on some fresh seeds (results/calibration.md;
+figure below)."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> MissingCriticRun:
         return MissingCriticRun(self.budget(tier), seed, stabilizer, self.diagnostics)

@@ -62,7 +62,7 @@ engine's completion stayed within 0.1 of the learner's; a nonlinear rule with 4 
 0-3): runner-up margins 6 and 9 (the margins grow in training and the flips fade) and every continuation route
 flipped, all with a control barely above the frozen policy. With 6 experts, every continuation route flipped:
 lr 5e-3 (the baseline escapes more often: the engine's completion recovers as the shared layers learn), 3e-3
-(baseline below 0.80 on 6 of 10 seeds), 2e-3 (chosen); at 3e-3 a safe payment of 0.7, router supervision weight
+(baseline below 0.80 on only some seeds), 2e-3 (chosen); at 3e-3 a safe payment of 0.7, router supervision weight
 1.0 and expert scale 10, and at 2e-3 80 iterations, did no better. The threshold 0.82 was set on seeds 0-9
 between the baseline's tails and the fix's; seeds 100-109 were run once after every setting was frozen.
 
@@ -449,13 +449,13 @@ class MoERoutingRun(GRPORun):
 
 
 # --- The figure. -------------------------------------------------------------------------------------------
-def draw_engine_kl(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_engine_kl(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """The training-inference KL over training and against each run's normalized return."""
     from stabench.suite import figures
 
     rows = figures.need(table, "moe-routing", "engine_kl")
     return figures.gap_against_return(rows, "engine_kl", "training-inference KL E_mu[log mu - log pi_old]", out,
-                                      "16_moe_routing")  # fmt: skip
+                                      name)  # fmt: skip
 
 
 class MoERouting(Task):
@@ -482,7 +482,7 @@ class MoERouting(Task):
     environments = {"stabench/MoERouting-v0": "MoERoutingEnv"}
     figures = (
         Figure(
-            "16_moe_routing",
+            "engine-kl",
             "training-inference KL against return",
             "moe-routing: the training-inference KL over training (left) and against each run's normalized "
             "return (right); the injected engine flips every continuation route (`flip_engine` 1).",

@@ -78,7 +78,7 @@ import torch
 from minigrid.envs import EmptyEnv
 from stabench.baselines.models import sequential
 from stabench.baselines.ppo import PPO, PPOConfig
-from stabench.suite import scoring
+from stabench.suite import outcomes
 from stabench.suite.api import (
     BEHAVIOUR_POLICY,
     Budget,
@@ -90,7 +90,7 @@ from stabench.suite.api import (
     Task,
     TrainState,
 )
-from stabench.suite.diagnostics import DIAGNOSTICS, diagnostic
+from stabench.suite.diagnostics import DiagnosedRun, diagnostic
 from stabench.suite.figures import Skip, need, save
 from stabench.tasks.worlds import grids
 from stabench.tasks.worlds.grids import N_ACTIONS, flatten_minigrid, room_table
@@ -222,7 +222,7 @@ def staleness_grid(tier: str) -> list[dict[str, int]]:
             for k, e, n in product(axes["lag"], axes["epochs"], axes["num_envs"])]
 
 
-class ParallelStalenessRun:
+class ParallelStalenessRun(DiagnosedRun):
     """One seed; the trainer (envs, learner, lagged-actor snapshots, Adam, sampling generator) lives in it."""
 
     def __init__(self, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], knobs: Knobs,
@@ -240,7 +240,7 @@ class ParallelStalenessRun:
         self.trainer.actor_history = knobs.lag
         self.table = room_table(knobs.size, knobs.max_steps)
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         tr = self.trainer
         if tr.iteration >= self.onset:
             tr.cfg.update_epochs = self.knobs.epochs
@@ -263,12 +263,10 @@ class ParallelStalenessRun:
             "ratio_p99": state.losses["ratio_p99"],
             "ratio_max": state.losses["ratio_max"],
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return {k: float(v) for k, v in row.items()}
+        return {k: float(v) for k, v in row.items()}, state
 
 
-def draw_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_staleness(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """The staleness grid: return kept (injected / control) over envs x epochs, one panel per lag."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -278,7 +276,7 @@ def draw_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
     if any(k not in rows for k in knobs) or rows[knobs].drop_duplicates().shape[0] < 2:
         raise Skip("the results hold no staleness grid (run `stabench run --grid staleness`)")
     rows = rows[rows["method"] == "baseline"]
-    per_run = scoring.outcomes(rows)
+    per_run = outcomes.outcomes(rows)
     cells = rows.groupby("cell")[knobs].first()
     per_run["cell"] = per_run["task"].str.extract(r"\[(.*)\]")[0]
     per_run = per_run.join(cells, on="cell")
@@ -294,7 +292,7 @@ def draw_staleness(table: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_title(f"actors lag {lag} updates (mean over seeds)")
         ax.set_xlabel("epochs of reuse")
         ax.set_ylabel("parallel environments (batch fixed)")
-    return save(fig, out, "07_staleness_grid")
+    return save(fig, out, name)
 
 
 class ParallelStaleness(Task):
@@ -320,7 +318,7 @@ class ParallelStaleness(Task):
 
     knobs_type = Knobs
     figures = (
-        Figure("07_staleness_grid", "staleness grid",
+        Figure("grid", "staleness grid",
                "The staleness grid of parallel-staleness (`stabench run --grid staleness`, baseline): the return "
                "kept after onset (injected over control, mean over seeds) over parallel environments and epochs "
                "of reuse at a fixed batch, one panel per actor lag.",

@@ -161,12 +161,12 @@ class PlasticityLossRun(GRPORun):
 
 
 # --- The figure and the task. ------------------------------------------------------------------------------
-def draw_plasticity(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_plasticity(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Held-out accuracy beside the drift from the warm start: the drifted policy cannot learn the new rule."""
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule from the shift)"),
               ("full_vocab_kl", "per-token KL(pi || warm start)"),
               ("all_wrong_share", "share of groups with no correct answer")]  # fmt: skip
-    return fix_against_baseline(table, "plasticity-loss", panels, out, "19_plasticity_loss")
+    return fix_against_baseline(table, "plasticity-loss", panels, out, name)
 
 
 class PlasticityLoss(Task):
@@ -196,7 +196,7 @@ class PlasticityLoss(Task):
     environments = {"stabench/PlasticityLoss-v0": "PlasticityLossEnv"}
     figures = (
         Figure(
-            "19_plasticity_loss", "drift before a rule change",
+            "drift", "drift before a rule change",
             "plasticity-loss: exact held-out accuracy, the per-token KL to the warm start and the share of groups "
             "with no correct answer, baseline and KL anchor, injected and control (the rule changes at iteration "
             "18).",
@@ -206,8 +206,9 @@ class PlasticityLoss(Task):
     paper = """On plasticity-loss the injected branch trains 15 iterations without a KL term on a reward that pays
 double for a 5, then the rule bans the 5. The drifted policy writes 555 on every held-out prompt; after the change
 its groups are all wrong or all right, its advantages zero, and with nothing pulling it back its held-out accuracy
-stays at 0.00-0.09 while the control reaches 0.82-0.90. A KL anchor to the warm start, kept on through the drift,
-leaves it enough correct answers to learn from (0.69-0.81, no seed fails)."""
+stays at {tail:heldout_accuracy:baseline} while the control reaches {tail:heldout_accuracy:baseline:control}. A KL
+anchor to the warm start, kept on through the drift, leaves it enough correct answers to learn from
+({tail:heldout_accuracy:kl-anchor}, {failed:kl-anchor} seeds fail)."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> PlasticityLossRun:
         return PlasticityLossRun(self.budget(tier), DRIFT[tier], seed, stabilizer, self.diagnostics)

@@ -12,8 +12,9 @@ Setting (everything the task fixes lives in this file):
   only from (4, 3) heading down, and (4, 3) only from (3, 3) heading right, so every path to it takes a turn in
   the right place. A uniformly random start cell and direction (MiniGrid's own draws), a 40-step timeout, the
   grids family's flat 147-dim view / 10 and 3 actions. 52 states (13 cells x 4 directions), 48 distinct
-  observations. Stepped from its state table (`PocketRoomFlat`, equal to MiniGrid's `PocketRoom` bit for bit,
-  starts included; tested).
+  observations. Stepped from its table, read off MiniGrid's `PocketRoom` by the grids engine (`grid_table`): one
+  world as `PocketRoomFlat`, the run's 8 together in numpy as `PocketVectorEnv`, both equal to MiniGrid bit for
+  bit, starts included (tested).
 - Why the pocket (version 3, kept): a learner that never updates must earn clearly less than one that relearns. An
   untrained network's greedy policy is close to one action on every state, and in version 2's open room
   "always forward" arrives from 6 of 60 starts, so `no-update` kept about a tenth of the control's post-onset
@@ -37,8 +38,8 @@ Setting (everything the task fixes lives in this file):
   injection stops breaking it; 80 iterations (0, 6), (1, 8): the injected baseline relearns too; batch 128
   with half the updates, 3,000 steps, 70 iterations (3, 9), (5, 9); 3,000 steps and 70 iterations, chosen
   (0, 10), (0, 8).
-- Return: EXACT, not sampled. The world is deterministic, so `StateTable` enumerates every state once by
-  driving the real MiniGrid env (observation, and successor under each action) and the row's `return` is the
+- Return: EXACT, not sampled. The world is deterministic, so its table (`state_table`) enumerates every state once
+  by driving the real MiniGrid env (observation, and successor under each action) and the row's `return` is the
   greedy policy's expected return from the uniform random start, 1 - 0.9 t / 40 per start (0 if it loops),
   under the rule in force (after onset, the table's columns rotated), from one forward pass per iteration.
   Optimum 0.8512 under either rule.
@@ -90,7 +91,7 @@ numbers in results/calibration.md):
   update 0.038 injected against 0.008 in the control, policy churn 0.28 against 0.12, dead units 0.74 against
   0.55; in the last iteration dead units 0.89 against 0.60. CHAIN injected: 0.012, 0.17 and 0.63, then 0.70.
   Over the post-onset phase the injected baseline's policy churn and out-of-batch churn are above its
-  control's on 10 of 10 seeds, value churn on 6.
+  control's on every seed, value churn on most (counts in results/calibration.md).
 - Gradient clipping at 0.5 does not act on it (rows nearly identical to the baseline's): the failure is not
   a gradient spike.
 - Ablation (injected baseline, one factor back to the control's value, seeds 0-2; results/calibration.md):
@@ -127,10 +128,19 @@ from minigrid.core.grid import Grid
 from minigrid.core.world_object import Goal, Wall
 from minigrid.envs import EmptyEnv
 from stabench.baselines.dqn import DQN, DQNConfig, QNetwork, q_spec, softmax_entropy
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.suite.figures import lines, need
-from stabench.tasks.worlds.grids import N_ACTIONS, flat_view, flatten_minigrid, make_vector_env
+from stabench.tasks.worlds.grids import (
+    N_ACTIONS,
+    GridTable,
+    TableVectorEnv,
+    TableWorldFlat,
+    flatten_minigrid,
+    free_states,
+    grid_table,
+    uniform_start,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -178,148 +188,54 @@ def minigrid_pocket_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, wa
 
 
 # ---- the world, enumerated: exact greedy return and the held-out states ----------------------------------------
-@dataclass(frozen=True)
-class StateTable:
-    """Every (cell, direction) state of the world: its observation and its deterministic transitions.
-
-    Built once by driving the real MiniGrid env from each state with each action. `next_state[s, a]` is the
-    successor's index, -1 where the action reaches the goal and ends the episode (`goal_obs[s]`: the view then).
-    """
-
-    states: tuple[tuple[int, int, int], ...]  # (x, y, direction) of each state
-    obs: torch.Tensor  # S x obs_dim, exactly the observations the env emits (aliased states share one)
-    next_state: np.ndarray  # S x A
-    max_steps: int
-    goal_obs: np.ndarray  # S x obs_dim: the view after stepping onto the goal from s (zeros where no action does)
-
-    def greedy_steps(self, greedy: np.ndarray, next_state: np.ndarray | None = None) -> np.ndarray:
-        """Steps to the goal from every state under a deterministic policy (inf where it loops).
-
-        World and policy are deterministic, so a policy that revisits a state loops forever.
-        """
-        nxt = self.next_state if next_state is None else next_state
-        n = len(greedy)
-        steps = np.full(n, math.inf)
-        known = np.zeros(n, dtype=bool)
-        for s0 in range(n):
-            path, s, on_path = [], s0, set()
-            while s >= 0 and not known[s] and s not in on_path:
-                on_path.add(s)
-                path.append(s)
-                s = int(nxt[s, greedy[s]])
-            tail = 0.0 if s < 0 else (steps[s] if known[s] else math.inf)  # goal, a known state, or a loop
-            for k, p in enumerate(reversed(path)):
-                steps[p], known[p] = tail + k + 1, True
-        return steps
-
-    def greedy_return(self, greedy: np.ndarray, next_state: np.ndarray | None = None) -> float:
-        """Exact expected return of the policy from the uniform random start: 1 - 0.9 t / T, 0 if t > T."""
-        t = self.greedy_steps(greedy, next_state)
-        return float(np.where(t <= self.max_steps, 1.0 - 0.9 * t / self.max_steps, 0.0).mean())
+_TABLES: dict[tuple, GridTable] = {}
 
 
-_TABLES: dict[tuple, StateTable] = {}
-
-
-def state_table(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS) -> StateTable:
-    """The world's state table (built on first use, then cached in the process)."""
+def state_table(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS) -> GridTable:
+    """The world's table over every start MiniGrid can draw (empty cells x 4 directions): each state's observation
+    and its deterministic successors, read off `PocketRoom` itself (`grids.grid_table`); built on first use, then
+    cached in the process. Its states are the held-out states; `greedy_return` is the row's exact return."""
     walls = tuple((int(x), int(y)) for x, y in walls)
     key = (size, max_steps, walls)
     if key not in _TABLES:
         env = PocketRoom(size, max_steps, walls)
         env.reset(seed=0)
-        states = [(x, y, d) for y in range(1, size - 1) for x in range(1, size - 1) for d in range(4)
-                  if env.grid.get(x, y) is None]  # every start MiniGrid can draw: empty cells x 4 directions
-        index = {s: i for i, s in enumerate(states)}
-        obs, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
-        goal_obs = np.zeros((len(states), OBS_DIM), dtype=np.float32)
-        for i, (x, y, d) in enumerate(states):
-            env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-            obs.append(flat_view(env.gen_obs()["image"]))  # as worlds.grids.FlatObs does
-            for a in range(N_ACTIONS):
-                env.agent_pos, env.agent_dir, env.step_count = (x, y), d, 0
-                view, _, terminated, _, _ = env.step(a)
-                if terminated:
-                    nxt[i, a], goal_obs[i] = -1, flat_view(view["image"])
-                else:
-                    nxt[i, a] = index[(int(env.agent_pos[0]), int(env.agent_pos[1]), int(env.agent_dir))]
-        _TABLES[key] = StateTable(tuple(states), torch.as_tensor(np.stack(obs)), nxt, max_steps, goal_obs)
+        _TABLES[key] = grid_table(env, free_states(env), max_steps)
     return _TABLES[key]
 
 
-class PocketRoomFlat(gym.Env):
-    """The pocket room behind the grids family's flat interface, stepped from its `StateTable`.
+class PocketRoomFlat(TableWorldFlat):
+    """The pocket room behind the grids family's flat interface, stepped from its table.
 
     Observations, rewards (1 - 0.9 t / T on reaching the goal), termination, truncation and the random starts
     (MiniGrid's `place_agent` draws, in MiniGrid's order) are those of `minigrid_pocket_random_flat` bit for bit
     (a test steps both side by side); MiniGrid re-renders its view on every step, the table does not.
     """
 
-    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
-
     def __init__(self, size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
                  render_mode: str | None = None) -> None:
-        self.size, self.max_steps, self.render_mode = int(size), int(max_steps), render_mode
         self.walls = tuple((int(x), int(y)) for x, y in walls)
-        self.table = state_table(self.size, self.max_steps, self.walls)
-        self._obs = self.table.obs.numpy()
-        self.index = {cell: i for i, cell in enumerate(self.table.states)}
-        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=(OBS_DIM,), dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(N_ACTIONS)
-        self.state, self.step_count, self.last = 0, 0, (0, 0, 0)
-        self._painter: PocketRoom | None = None
+        super().__init__(state_table(int(size), int(max_steps), self.walls), size, render_mode)
 
-    @property
-    def agent_pos(self) -> tuple[int, int]:
-        """The agent's cell, as MiniGrid's attribute (the goal's once reached)."""
-        return self.last[:2]
+    def draw_start(self, rng: np.random.Generator) -> tuple[int, int, int]:
+        return uniform_start(rng, self.size, self.table)
 
-    @property
-    def agent_dir(self) -> int:
-        """The agent's heading, as MiniGrid's attribute (0 right, 1 down, 2 left, 3 up)."""
-        return self.last[2]
+    def painter(self) -> PocketRoom:
+        env = PocketRoom(self.size, self.max_steps, self.walls, render_mode=self.render_mode)
+        env.reset(seed=0)
+        return env
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
-        super().reset(seed=seed)
-        rng = self.np_random
-        while True:  # MiniGridEnv.place_obj(None): a cell over the whole grid, x then y, until it is free
-            x, y = int(rng.integers(0, self.size)), int(rng.integers(0, self.size))
-            if (x, y, 0) in self.index:
-                break
-        self.state, self.step_count = self.index[(x, y, int(rng.integers(0, 4)))], 0
-        self.last = self.table.states[self.state]
-        return self._obs[self.state].copy(), {}
 
-    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
-        a = int(action)
-        if not 0 <= a < N_ACTIONS:
-            raise ValueError(f"action {action!r} is not one of the room's {N_ACTIONS} actions")
-        if self.state < 0:
-            raise RuntimeError("the agent stands on the goal: call reset() before stepping again")
-        self.step_count += 1
-        nxt = int(self.table.next_state[self.state, a])
-        truncated = self.step_count >= self.max_steps  # as MiniGrid: also on a goal reached at the last step
-        if nxt < 0:
-            obs, self.state = self.table.goal_obs[self.state].copy(), -1
-            self.last = (self.size - 2, self.size - 2, self.last[2])
-            return obs, 1 - 0.9 * (self.step_count / self.max_steps), True, truncated, {}
-        self.state, self.last = nxt, self.table.states[nxt]
-        return self._obs[nxt].copy(), 0.0, False, truncated, {}
+class PocketVectorEnv(TableVectorEnv):
+    """`num_envs` pocket rooms stepped together in numpy: the SyncVectorEnv of `make_env(ENV_ID)` (wrapped
+    `PocketRoomFlat` worlds, same-step autoreset) that it replaces, bit for bit, `final_obs` included (tested)."""
 
-    def render(self) -> np.ndarray | None:
-        if self.render_mode is None:
-            return None
-        if self._painter is None:
-            self._painter = PocketRoom(self.size, self.max_steps, self.walls, render_mode=self.render_mode)
-            self._painter.reset(seed=0)
-        self._painter.agent_pos, self._painter.agent_dir = self.last[:2], self.last[2]
-        self._painter.step_count = self.step_count
-        return self._painter.render()
+    def __init__(self, num_envs: int, walls: tuple = WALLS) -> None:
+        super().__init__(num_envs, state_table(walls=walls))
+        self.size = SIZE
 
-    def close(self) -> None:
-        if self._painter is not None:
-            self._painter.close()
-            self._painter = None
+    def draw_start(self, rng: np.random.Generator) -> tuple[int, int, int]:
+        return uniform_start(rng, self.size, self.rooms[0])
 
 
 def make_pocket_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS,
@@ -330,11 +246,7 @@ def make_pocket_random_flat(size: int = SIZE, max_steps: int = MAX_STEPS, walls:
 
 def optimal_return(size: int = SIZE, max_steps: int = MAX_STEPS, walls: tuple = WALLS) -> float:
     """Expected return of the optimal policy from the uniform random start (shortest paths on the table)."""
-    table = state_table(size, max_steps, walls)
-    dist = np.full(len(table.obs), math.inf)
-    for _ in range(len(table.obs) + 1):  # Bellman-Ford on unit-cost edges
-        succ = np.where(table.next_state < 0, 0.0, dist[np.maximum(table.next_state, 0)])
-        dist = np.minimum(dist, (1.0 + succ).min(1))
+    dist = state_table(size, max_steps, walls).steps_to_goal()
     return float(np.where(dist <= max_steps, 1.0 - 0.9 * dist / max_steps, 0.0).mean())
 
 
@@ -415,7 +327,7 @@ class Knobs:
 
 
 # ---- one run ----------------------------------------------------------------------------------------------------
-class PolicyChurnRun:
+class PolicyChurnRun(DiagnosedRun):
     """One seed: the vector env, the Q-network, its target, Adam, the replay buffer and the generator all live
     in `self.trainer`, so `copy.deepcopy` branches everything."""
 
@@ -425,7 +337,7 @@ class PolicyChurnRun:
         walls = ROOMS[knobs.room]
         self.table = state_table(walls=walls)
         self.next_state = self.table.next_state
-        envs = make_vector_env(ENV_ID, self.cfg.num_envs, walls=walls)
+        envs = PocketVectorEnv(self.cfg.num_envs, walls)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = QNetwork(q_spec(OBS_DIM, N_ACTIONS, WIDTH, DEPTH, knobs.activation))
@@ -448,7 +360,7 @@ class PolicyChurnRun:
         tr.cfg = replace(tr.cfg, learning_starts=tr.global_step + tr.cfg.learning_starts)
         tr.epsilon_origin = tr.global_step
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         if self.iteration == self.onset and self.knobs.shift:
             self.start_new_rule()
         self.iteration += 1
@@ -476,15 +388,13 @@ class PolicyChurnRun:
             "q_state_spread": float(q.std(0).mean()),
             "frozen_units": frozen_units(state.extras.get("activations", [])),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return {k: float(v) for k, v in row.items()}
+        return {k: float(v) for k, v in row.items()}, state
 
 
-def draw_churn(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_churn(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Policy churn on the held-out states over training, injected baseline against injected CHAIN."""
     rows = need(table, "policy-churn", "policy_churn")
-    return lines(rows, "policy_churn", "policy churn on held-out states (share per update)", out, "08_policy_churn")
+    return lines(rows, "policy_churn", "policy churn on held-out states (share per update)", out, name)
 
 
 class PolicyChurn(Task):
@@ -510,7 +420,7 @@ class PolicyChurn(Task):
     knobs_type = Knobs
     environments = {"stabench/PocketRandomFlat-6x6-v0": ("make_pocket_random_flat", {"size": 6, "max_steps": 40})}
     figures = (
-        Figure("08_policy_churn", "policy churn",
+        Figure("churn", "policy churn",
                "Policy churn on policy-churn: the share of held-out states whose greedy action one "
                "update changes, injected runs of the baseline and CHAIN.",
                draw_churn),

@@ -53,30 +53,30 @@ Setting (everything the task fixes lives in this file; chosen on seeds 0-9 with 
   `exact_return_left` (the place rule), `tracking_error`, `paying`, `cued`, `since_switch`, `networks`,
   `feature_norm`; `confident_shortfall` = (1 - episode return / optimum) x (1 - entropy / log 3), the detector.
 
-Mechanism, as measured (quick tier, seeds 0-9, medians):
-- At onset the healthy network's head is near-deterministic: entropy over the start states 0.145 nats (log 3 =
-  1.10), logit range 10.6, against a fresh network's 1.085 and 0.37; its cue gap is 0.45 against a fresh
-  network's 1.26 (the trunk has compressed the cue). It keeps going left, then partly learns the cue in the
-  first period and cannot reverse it in the second: at the end of the reversal its entropy is 0.12 and it tracks
-  0.35-0.68 (one seed 0.0) around the always-left 0.5, while fresh networks track 0.79-0.91 in both periods.
+Mechanism, as measured (quick tier, seeds 0-9; the numbers, per seed set, are in results/calibration.md, section
+primacy-bias and its design notes):
+- At onset the healthy network's head is near-deterministic over the start states (low entropy, a wide logit
+  range, against a fresh network's near-uniform head), and its cue gap is a fraction of a fresh network's (the
+  trunk has compressed the cue). It keeps going left, then partly learns the cue in the first period and cannot
+  reverse it in the second: at the end of the reversal it is still near-certain and tracks around what the
+  always-left policy earns, while fresh networks track the cue in both periods.
 - Causal checks (knob `reset` at each switch, injected branch, prototypes on seeds 0-9): resetting only the
-  policy head fails 3 of 10 seeds; only the trunk (heads kept), 1 of 10; no reset, 10 of 10. The certain head is
-  the dominant block; a trunk reset also makes the logits near-uniform, so it removes both factors.
+  policy head fails some seeds, only the trunk (heads kept) fewer, no reset every seed. The certain head is the
+  dominant block; a trunk reset also makes the logits near-uniform, so it removes both factors.
 - The detected reset (`head-reset`) fires one or two updates after onset and after the swap on every seed. Two
-  of its design steps were measured, not assumed: resetting the head and its Adam moments only (failed 8 of 10),
-  or the head and every Adam moment (8 of 10), the reset head is trained on the iteration's batch, collected by
-  the certain policy, and re-learns the cue-blind place rule within about 15 updates (exact return 0.45-0.56,
-  the always-left 0.5); skipping the policy step on that batch (advantages zeroed; the value head still learns)
-  is what lets the fresh head explore (failed 2 of 10).
-- At lr 2.5e-3 the healthy phase itself is not always stable: on one of the 20 seeds 0-9 and 100-109 (seed 105)
-  PPO's return collapses at update 36, before onset (exact return 0.98 -> 0.09); the run is kept as it is.
-- Settings tried (baseline runs, as (injected failures, control failures) of seeds 0-9): version 2 (lr 1.5e-3,
-  one 80-update period) on the current code (3 controls failed, at 0.74-0.75); lr 2.5e-3 with one period (7, 0);
-  4 epochs x 1 minibatch at lr 3e-3 (7, 2); onset 60 (5, 1); entropy 0 (5, 0) or 0.003 (7, 2); a 40-update
-  reversal after an 80-update period (10, 0), 160 updates; periods of 50 (10, 3) and `head-reset` failing 3 with
-  its own control failing 6; chosen, periods of 40 (10, 0), 120 updates as version 2. Seeds 100-109 were run once
-  on the chosen settings before the last alternative (periods of 50) was tried on seeds 0-9, so seeds 200-209,
-  run once after the settings were frozen, are the never-used check.
+  of its design steps were measured, not assumed: resetting the head and its Adam moments only, or the head
+  and every Adam moment, both fail most seeds, because the reset head is trained on the iteration's batch,
+  collected by the certain policy, and re-learns the cue-blind place rule within a few updates; skipping the
+  policy step on that batch (advantages zeroed; the value head still learns) is what lets the fresh head explore.
+- At this learning rate the healthy phase itself is not always stable: on one of the seeds 0-9 and 100-109
+  PPO's return collapses before onset; the run is kept as it is.
+- Settings tried on seeds 0-9 (each with the baseline's injected and control failures in the design notes):
+  version 2 (lr 1.5e-3, one 80-update period) on the current code, whose controls sat on the bar; lr 2.5e-3 with
+  one period; 4 epochs x 1 minibatch at lr 3e-3; onset 60; entropy 0 or 0.003; a 40-update reversal after an
+  80-update period, 160 updates; periods of 50, under which `head-reset`'s own control failed often; chosen,
+  periods of 40, 120 updates as version 2. Seeds 100-109 were run once on the chosen settings before the last
+  alternative (periods of 50) was tried on seeds 0-9, so seeds 200-209, run once after the settings were
+  frozen, are the never-used check.
 
 Calibration numbers per seed set, commands and verdicts: results/calibration.md (runs in
 results/calibration/primacy-bias/). The quick tier runs this task on 5 seeds; calibration and the matrix run 10.
@@ -93,18 +93,25 @@ from typing import TYPE_CHECKING, Any
 import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium.utils import seeding
 from minigrid.core.grid import Grid
 from minigrid.core.mission import MissionSpace
 from minigrid.core.world_object import Goal
 from minigrid.minigrid_env import MiniGridEnv
 from stabench.baselines.models import ActorCritic, he_linear
 from stabench.baselines.ppo import PPO, PPOConfig
-from stabench.baselines.stabilizers.representation import IsotropicGaussian
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
-from stabench.suite.figures import need, onset_line, save
-from stabench.tasks.worlds.grids import N_ACTIONS, OBS_SCALE, RoomVectorEnv, flat_view, flatten_minigrid
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun, categorical_entropy
+from stabench.suite.figures import mean_ci, need, onset_line, save
+from stabench.tasks.worlds.grids import (
+    N_ACTIONS,
+    GridTable,
+    TableVectorEnv,
+    TableWorldFlat,
+    flatten_minigrid,
+    grid_table,
+    place_agent,
+    place_at,
+)
 from stabench.tasks.worlds.scaffold import Trailing
 from torch import nn
 
@@ -119,7 +126,6 @@ MAX_STEPS = 10
 VIEW = 5  # egocentric view 5x5x3
 OBS_DIM = VIEW * VIEW * 3
 ENV_ID = "stabench/TwoGoals-5x5-v0"
-DIR_VEC = ((1, 0), (0, 1), (-1, 0), (0, -1))  # MiniGrid: 0 right, 1 down, 2 left, 3 up
 CUE_COLOURS = ("grey", "red")  # the walls' colour, drawn per episode: the cue
 
 
@@ -188,10 +194,7 @@ def draw_start(rng: np.random.Generator, size: int) -> tuple[int, int, int, int]
     """An episode's (cue, x, y, direction), drawn as `TwoGoalsEnv._gen_grid` draws them: the cue, then
     `place_agent` (cells until a free one off the goals, then a direction)."""
     cue = int(rng.integers(0, len(CUE_COLOURS)))
-    while True:
-        x, y = int(rng.integers(0, size)), int(rng.integers(0, size))
-        if 0 < x < size - 1 and 0 < y < size - 1 and (x, y) not in GOALS:
-            return cue, x, y, int(rng.integers(0, 4))
+    return (cue, *place_agent(rng, size, lambda x, y: 0 < x < size - 1 and 0 < y < size - 1 and (x, y) not in GOALS))
 
 
 def make_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode: str | None = None) -> gym.Env:
@@ -205,106 +208,58 @@ def minigrid_two_goals(size: int = SIZE, max_steps: int = MAX_STEPS, render_mode
     return flatten_minigrid(TwoGoalsEnv(size=size, max_steps=max_steps, render_mode=render_mode))
 
 
+def place_cue(env: TwoGoalsEnv, key: tuple[int, ...]) -> None:
+    """Put the world into state (cue, x, y, direction): the walls in the cue's colour, the agent on its cell."""
+    env._build(env.width, env.height, key[0])
+    place_at(env, key)
+
+
 @functools.cache
-def _flat_views(size: int) -> tuple[np.ndarray, dict[tuple[int, int, int, int], int], np.ndarray, np.ndarray]:
-    """Every (cue, x, y, direction) of the interior, goals included: its view as `FlatObs` writes it, its index,
-    the state after each action (as `world_table` moves) and the goal it stands on (-1: none)."""
-    env = TwoGoalsEnv(size=size)
+def two_goals_table(size: int = SIZE, max_steps: int = MAX_STEPS) -> GridTable:
+    """Every (cue, x, y, direction) of the interior, goals included, read off `TwoGoalsEnv` (`grids.grid_table`):
+    its view as `FlatObs` writes it and the state after each action; the goals are states (`goal`), reaching one
+    ends the episode (`reach`)."""
+    env = TwoGoalsEnv(size=size, max_steps=max_steps)
     env.reset(seed=0)
     cells = tuple((x, y) for y in range(1, size - 1) for x in range(1, size - 1))
     states = [(c, x, y, d) for c in range(len(CUE_COLOURS)) for x, y in cells for d in range(4)]
-    index = {s: i for i, s in enumerate(states)}
-    views, nxt = [], np.zeros((len(states), N_ACTIONS), dtype=np.int64)
-    for i, (c, x, y, d) in enumerate(states):
-        env._build(env.width, env.height, c)
-        env.agent_pos, env.agent_dir = (x, y), d
-        views.append(flat_view(env.gen_obs()["image"]))
-        fx, fy = x + DIR_VEC[d][0], y + DIR_VEC[d][1]
-        ax, ay = (fx, fy) if (fx, fy) in cells else (x, y)
-        nxt[i] = [index[(c, x, y, (d - 1) % 4)], index[(c, x, y, (d + 1) % 4)], index[(c, ax, ay, d)]]
+    table = grid_table(env, states, max_steps, place_cue)
     env.close()
-    goal = np.array([GOALS.index((x, y)) if (x, y) in GOALS else -1 for _, x, y, _ in states], dtype=np.int64)
-    return np.stack(views), index, nxt, goal
+    if table.goals != GOALS:
+        raise ValueError(f"the room's goals {table.goals} are not {GOALS}")
+    return table
 
 
-class TwoGoalsFlat(gym.Env):
-    """`flatten_minigrid(TwoGoalsEnv(...))` stepped from a table of its views and moves, bit for bit.
+class TwoGoalsFlat(TableWorldFlat):
+    """`flatten_minigrid(TwoGoalsEnv(...))` stepped from its table, bit for bit.
 
-    `reset` draws the cue and then the start from `np_random` with MiniGrid's calls in MiniGrid's order (the cue,
-    then `place_agent`: a cell of the whole grid by rejection, x then y, until it is free; then a direction);
-    `step` counts the step, moves as MiniGrid does, ends the episode on either goal with MiniGrid's
-    1 - 0.9 t / max_steps on the paying one and 0 on the other, truncates at `max_steps` and returns the view
-    `FlatObs` would. `paying` and `cued` are `TwoGoalsEnv`'s (the task sets them on the vector env). MiniGrid
-    re-renders the view and passes it through three wrappers on every step: most of the task's environment time.
+    `reset` draws the cue and then the start from `np_random` with MiniGrid's calls in MiniGrid's order
+    (`draw_start`); a step onto either goal ends the episode, with MiniGrid's 1 - 0.9 t / max_steps on the paying
+    one and 0 on the other. `paying` and `cued` are `TwoGoalsEnv`'s (the task sets them on the vector env).
     """
 
-    metadata = {"render_modes": ["human", "rgb_array"], "render_fps": 10}
+    place = staticmethod(place_cue)
 
     def __init__(self, size: int = SIZE, max_steps: int = MAX_STEPS, paying: int = 0,
                  render_mode: str | None = None) -> None:
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"render_mode {render_mode!r} is not one of {self.metadata['render_modes']}")
-        self.size, self.max_steps, self.render_mode = size, max_steps, render_mode
         self.paying, self.cued, self.cue = int(paying), False, 0
-        self._views, self._index, self._next, self._goal = _flat_views(size)
-        self._states = list(self._index)  # state index -> (cue, x, y, direction)
-        self.observation_space = gym.spaces.Box(0.0, 1.0, shape=self._views.shape[1:], dtype=np.float32)
-        self.action_space = gym.spaces.Discrete(N_ACTIONS)
-        self.state, self.step_count = 0, 0
-        self._painter: TwoGoalsEnv | None = None
+        super().__init__(two_goals_table(size, max_steps), size, render_mode)
 
     def paying_goal(self) -> int:
         return (self.cue ^ self.paying) if self.cued else self.paying
 
-    @property
-    def agent_pos(self) -> tuple[int, int]:
-        """The agent's cell, as MiniGrid's attribute."""
-        return self._states[self.state][1:3]
+    def pays(self, goal: int) -> bool:
+        return goal == self.paying_goal()
 
-    @property
-    def agent_dir(self) -> int:
-        """The agent's heading, as MiniGrid's attribute (0 right, 1 down, 2 left, 3 up)."""
-        return self._states[self.state][3]
+    def draw_start(self, rng: np.random.Generator) -> tuple[int, int, int, int]:
+        key = draw_start(rng, self.size)
+        self.cue = key[0]
+        return key
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict]:
-        super().reset(seed=seed)
-        start = draw_start(self.np_random, self.size)
-        self.cue, self.state, self.step_count = start[0], self._index[start], 0
-        if self.render_mode == "human":
-            self.render()
-        return self._views[self.state].copy(), {}
-
-    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
-        a = int(action)
-        if not 0 <= a < N_ACTIONS:
-            raise ValueError(f"action {action!r} is not one of the world's {N_ACTIONS} actions")
-        self.step_count += 1
-        self.state = int(self._next[self.state, a])
-        goal = int(self._goal[self.state])
-        terminated = goal >= 0
-        reward = 0.0
-        if terminated and goal == self.paying_goal():
-            reward = float(1 - 0.9 * (self.step_count / self.max_steps))  # MiniGrid's _reward
-        truncated = self.step_count >= self.max_steps
-        if self.render_mode == "human":
-            self.render()
-        return self._views[self.state].copy(), reward, terminated, truncated, {}
-
-    def render(self) -> np.ndarray | None:
-        if self.render_mode is None:
-            return None
-        if self._painter is None:
-            self._painter = TwoGoalsEnv(size=self.size, max_steps=self.max_steps, render_mode=self.render_mode)
-            self._painter.reset(seed=0)
-        cue, x, y, d = self._states[self.state]
-        self._painter._build(self._painter.width, self._painter.height, cue)
-        self._painter.agent_pos, self._painter.agent_dir, self._painter.step_count = (x, y), d, self.step_count
-        return self._painter.render()
-
-    def close(self) -> None:
-        if self._painter is not None:
-            self._painter.close()
-            self._painter = None
+    def painter(self) -> TwoGoalsEnv:
+        env = TwoGoalsEnv(size=self.size, max_steps=self.max_steps, render_mode=self.render_mode)
+        env.reset(seed=0)
+        return env
 
 
 @dataclass(frozen=True)
@@ -354,101 +309,49 @@ class WorldTable:
 
 @functools.cache
 def world_table(max_steps: int = MAX_STEPS) -> WorldTable:
-    """Enumerate the world: every cue, cell and direction, moves computed as MiniGrid makes them."""
-    env = TwoGoalsEnv(max_steps=max_steps)
-    env.reset(seed=0)
-    states = [(c, cell, d) for c in range(len(CUE_COLOURS)) for cell in CELLS for d in range(4)]
-    index = {s: i for i, s in enumerate(states)}
-    obs = np.zeros((len(states), OBS_DIM), dtype=np.float32)
-    nxt = np.zeros((len(states), N_ACTIONS), dtype=np.int64)
-    goal = np.array([GOALS.index(cell) if cell in GOALS else -1 for _, cell, _ in states], dtype=np.int64)
-    cue = np.array([c for c, _, _ in states], dtype=np.int64)
-    for i, (c, (x, y), d) in enumerate(states):
-        env._build(env.width, env.height, c)
-        env.agent_pos, env.agent_dir = (x, y), d
-        obs[i] = env.gen_obs()["image"].reshape(-1) / OBS_SCALE  # as FlatObs writes it
-        fx, fy = x + DIR_VEC[d][0], y + DIR_VEC[d][1]
-        ahead = (fx, fy) if (fx, fy) in CELLS else (x, y)
-        nxt[i] = [index[(c, (x, y), (d - 1) % 4)], index[(c, (x, y), (d + 1) % 4)], index[(c, ahead, d)]]
-    env.close()
-    return WorldTable(torch.as_tensor(obs), nxt, goal, cue, goal < 0, max_steps)
+    """The world enumerated (`two_goals_table`): every cue, cell and direction, moves as MiniGrid makes them."""
+    table = two_goals_table(SIZE, max_steps)
+    cue = np.array([key[0] for key in table.states], dtype=np.int64)
+    return WorldTable(table.obs, table.next_state, table.goal, cue, table.goal < 0, max_steps)
 
 
-class TwoGoalsVectorEnv(gym.vector.VectorEnv):
-    """`num_envs` two-goal rooms stepped together in numpy: the same observations, rewards, termination,
-    truncation and episode returns as the SyncVectorEnv of wrapped `TwoGoalsFlat` worlds it replaces (same-step
-    autoreset; tests step both side by side). Each env draws its cue and start from its own generator, seeded as
-    the SyncVectorEnv seeds its sub-envs (`seed + i`), in the same order of draws; every other step is a handful
-    of array operations. That wrapper stack cost a sixth of a PPO trial on this world.
+class TwoGoalsVectorEnv(TableVectorEnv):
+    """`num_envs` two-goal rooms stepped together in numpy (`grids.TableVectorEnv`): the same observations,
+    rewards, termination, truncation and episode returns as the SyncVectorEnv of wrapped `TwoGoalsFlat` worlds it
+    replaces (tests step both side by side), each env drawing its cue and start from its own generator. That
+    wrapper stack cost a sixth of a PPO trial on this world.
 
     `set_attr` and `get_attr` handle `paying` and `cued` as on the SyncVectorEnv (they act from the next step
-    on, an episode under way included). Not offered: `final_obs` (no trainer reads it) and rendering.
+    on, an episode under way included).
     """
 
-    metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
-
     def __init__(self, num_envs: int, size: int = SIZE, max_steps: int = MAX_STEPS) -> None:
-        self.num_envs, self.size, self.max_steps = num_envs, size, int(max_steps)
-        self._views, self._index, self._next, self._goal = _flat_views(size)
-        self.single_observation_space = gym.spaces.Box(0.0, 1.0, shape=self._views.shape[1:], dtype=np.float32)
-        self.single_action_space = gym.spaces.Discrete(N_ACTIONS)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        super().__init__(num_envs, two_goals_table(size, max_steps))
+        self.size, self.max_steps = size, int(max_steps)
+        self.cue_of = np.array([key[0] for key in self.rooms[0].states], dtype=np.int64)  # each state's cue
         self.paying = np.zeros(num_envs, dtype=np.int64)
         self.cued = np.zeros(num_envs, dtype=bool)
-        self.cue = np.zeros(num_envs, dtype=np.int64)
-        self.state = np.zeros(num_envs, dtype=np.int64)
-        self.t = np.zeros(num_envs, dtype=np.int64)
-        self.ret = np.zeros(num_envs)
-        self.rngs: list[np.random.Generator | None] = [None] * num_envs
+
+    def draw_start(self, rng: np.random.Generator) -> tuple[int, int, int, int]:
+        return draw_start(rng, self.size)
+
+    def paying_goal(self) -> np.ndarray:
+        return np.where(self.cued, self.cue_of[self.state] ^ self.paying, self.paying)
 
     def set_attr(self, name: str, values: Any) -> None:
         """`SyncVectorEnv.set_attr` for `paying` and `cued`: one value for every env, or one per env."""
         if name not in ("paying", "cued"):
-            raise AttributeError(f"TwoGoalsVectorEnv sets paying and cued, not {name!r}")
+            return super().set_attr(name, values)
         target = getattr(self, name)
         target[:] = np.asarray(values if isinstance(values, (list, tuple)) else [values] * self.num_envs)
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """`SyncVectorEnv.get_attr` for `paying`, `cued` and `cue` (each env's walls)."""
-        if name not in ("paying", "cued", "cue"):
-            raise AttributeError(f"TwoGoalsVectorEnv reports paying, cued and cue, not {name!r}")
-        return tuple(v.item() for v in getattr(self, name))
-
-    def _start(self, env: int) -> None:
-        """`TwoGoalsFlat.reset` for one env, from its own generator."""
-        if self.rngs[env] is None:
-            self.rngs[env] = seeding.np_random()[0]
-        start = draw_start(self.rngs[env], self.size)
-        self.cue[env], self.state[env] = start[0], self._index[start]
-        self.t[env], self.ret[env] = 0, 0.0
-
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
-        for env in range(self.num_envs):
-            if seed is not None:
-                self.rngs[env] = seeding.np_random(seed + env)[0]
-            self._start(env)
-        return self._views[self.state], {}
-
-    def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict]:
-        actions = np.asarray(actions, dtype=np.int64)
-        if actions.shape != (self.num_envs,) or (actions.view(np.uint64) >= N_ACTIONS).any():  # negatives too
-            raise ValueError(f"expected {self.num_envs} actions in 0..{N_ACTIONS - 1}, got {actions!r}")
-        self.t += 1
-        self.state = self._next[self.state, actions]
-        goal = self._goal[self.state]
-        terminated = goal >= 0
-        pays = np.where(self.cued, self.cue ^ self.paying, self.paying)
-        reward = np.where(terminated & (goal == pays), RoomVectorEnv.reward(self.t, self.max_steps), 0.0)
-        truncated = self.t >= self.max_steps
-        self.ret += reward
-        done = terminated | truncated
-        info: dict[str, Any] = {}
-        if done.any():
-            info["final_info"] = {"episode": {"r": self.ret.copy(), "l": self.t.copy()}, "_episode": done.copy()}
-            for env in np.flatnonzero(done):
-                self._start(int(env))
-        return self._views[self.state], reward, terminated, truncated, info
+        if name == "cue":
+            return tuple(v.item() for v in self.cue_of[self.state])
+        if name in ("paying", "cued"):
+            return tuple(v.item() for v in getattr(self, name))
+        return super().get_attr(name)
 
 
 # --- The network ------------------------------------------------------------------------------------------
@@ -498,7 +401,7 @@ class Knobs:
     control: str = "fresh"  # "fresh": same switches, a new network and optimizer at each
     reset: str = "none"  # causal check, injected branch: re-initialize "head", "heads", "trunk" or "all" at each switch
     tracking_window: int = 10  # the last updates of each period (or of the run) that count as "tracking"
-    isotropic_lam: float = 0.0  # > 0: the weight `isotropic-gaussian` uses on this task (0: the class default, 5)
+    isotropic_lam: float = 0.0  # > 0: `isotropic-gaussian`'s setting lam on this task (0: the class default, 5)
     width: int = 64
     depth: int = 3  # Linear layers in the trunk, the last one linear (the features)
     features: int = 16
@@ -556,16 +459,19 @@ def cue_gap(z: torch.Tensor) -> float:
     return float((z[half:] - z[:half]).norm(dim=1).mean() / spread.clamp_min(1e-12))
 
 
-class PrimacyBiasRun:
+class PrimacyBiasRun(DiagnosedRun):
     """One seed: PPO (envs, network, Adam, sampler) in `self.trainer`, plus the goal schedule."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, knobs: Knobs,
                  diagnostics: tuple[str, ...]) -> None:
         self.budget, self.seed, self.knobs, self.diagnostics = budget, seed, knobs, diagnostics
+        if stabilizer.name == "isotropic-gaussian" and knobs.isotropic_lam > 0:
+            # the task's weight, set as `isotropic-gaussian@lam=...` sets it: the class default stays for other tasks
+            from stabench.suite import registry
+
+            lam = registry.format_value(float(knobs.isotropic_lam))
+            stabilizer = registry.make_stabilizer(f"isotropic-gaussian@lam={lam}")
         self.stabilizer = stabilizer
-        inner = getattr(stabilizer, "inner", stabilizer)  # the registry wraps plugins in a guard
-        if isinstance(inner, IsotropicGaussian) and knobs.isotropic_lam > 0:
-            inner.lam = knobs.isotropic_lam  # a task-side setting: the class default stays for other tasks
         self.table = world_table()
         self.optimum = self.table.optimum(0)
         cfg = replace(knobs.ppo, seed=seed)
@@ -614,7 +520,7 @@ class PrimacyBiasRun:
         model.load_state_dict(state)
         self.new_optimizer(model)
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         it, k = self.trainer.iteration, self.knobs.switch_every
         period = self.period(it)
         cued = period >= 0
@@ -668,13 +574,11 @@ class PrimacyBiasRun:
             "value_loss": state.losses["value_loss"],
             "approx_kl": state.losses["approx_kl"],
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return {key: float(v) for key, v in row.items()}
+        return {key: float(v) for key, v in row.items()}, state
 
 
 # --- The task ------------------------------------------------------------------------------------------------
-def draw_certainty(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_certainty(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Exact return and the policy's certainty over training: the baseline, the head reset, the fresh control."""
     import matplotlib.pyplot as plt
     import seaborn as sns
@@ -687,14 +591,14 @@ def draw_certainty(table: pd.DataFrame, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, column, label in ((axes[0], "exact_return", "exact return / optimum"),
                               (axes[1], "state_entropy", "policy entropy over the start states (nats)")):
-        sns.lineplot(rows, x="iteration", y=column, hue="run", errorbar=("ci", 95), seed=0, ax=ax)
+        sns.lineplot(rows, x="iteration", y=column, hue="run", errorbar=mean_ci, ax=ax)
         onset_line(ax, rows)
         ax.set_ylabel(label)
     axes[0].axhline(0.75, color="grey", linewidth=0.8, linestyle=":", label="tracking threshold")
     axes[0].legend(fontsize=8)
     axes[0].set_title("Return (mean, 95% CI over seeds)")
     axes[1].set_title("Certainty of the policy head")
-    return save(fig, out, "04_primacy_bias")
+    return save(fig, out, name)
 
 
 class PrimacyBias(Task):
@@ -721,7 +625,7 @@ class PrimacyBias(Task):
     knobs_type = Knobs
     environments = {"stabench/TwoGoals-5x5-v0": ("make_two_goals", {"size": 5, "max_steps": 10})}
     figures = (
-        Figure("04_primacy_bias", "return and head certainty",
+        Figure("head-certainty", "return and head certainty",
                "primacy-bias: the exact return over the optimum (the tracking threshold dotted) and the policy's "
                "entropy over the start states, injected runs of the baseline and of the head reset against the "
                "baseline's fresh-network control.",

@@ -72,8 +72,8 @@ import pandas as pd
 import torch
 from stabench.baselines.models import SameWeights
 from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.suite.figures import lines, need
 from stabench.tasks.worlds import tools
 from stabench.tasks.worlds.tokens import WarmStart, on_default_device
@@ -151,7 +151,7 @@ class Knobs:
 
 
 # --- One run. ---------------------------------------------------------------------------------------------
-class RareToolStatesRun:
+class RareToolStatesRun(DiagnosedRun):
     """One seed under one method: the trainer (policy, optimizer, numpy Generator) and the branch's schedule."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
@@ -161,7 +161,7 @@ class RareToolStatesRun:
         self.trainer = ToolPPO(warm_policy(), ShiftedFormatWorld(), config, stabilizer)
         self.evaluate = SameWeights()  # the exact returns, computed again only when the policy changed
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         shifted = self.trainer.iteration >= self.budget.onset  # both branches: the rare format becomes common
         rare_prob = float(self.knobs.rare_after) if shifted else RARE_BEFORE
         temperature = float(self.knobs.tool_temperature) if injected and shifted else 1.0  # the injection
@@ -181,14 +181,12 @@ class RareToolStatesRun:
             "tool_token_share": float(tool.float().mean()),
             "clip_frac": state.extras["clip_frac"],
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
-def fig_tool_ratios(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_tool_ratios(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     rows = need(table, "rare-tool-states", "ratio_p99_tool", "ratio_p99_text")
-    return lines(rows, "ratio_p99_tool", "importance-ratio p99 in tool states", out, "10_tool_ratio_tails")
+    return lines(rows, "ratio_p99_tool", "importance-ratio p99 in tool states", out, name)
 
 
 class RareToolStates(Task):
@@ -217,7 +215,7 @@ class RareToolStates(Task):
     experimental = False  # version 4: bar met on seeds 0-9 and the failure-rate checks on 100-109 (calibration.md)
     environments = {"stabench/RareToolStates-v0": "ToolCallEnv"}
     figures = (
-        Figure("10_tool_ratio_tails", "tool-state ratio tails",
+        Figure("ratio-tails", "tool-state ratio tails",
                "Importance-ratio p99 in tool states on rare-tool-states.", fig_tool_ratios),
     )
     paper = """On rare-tool-states a tool's reply comes in a rare, shifted format that becomes common at onset in

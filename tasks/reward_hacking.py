@@ -60,8 +60,8 @@ import numpy as np
 import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
 from stabench.baselines.models import SameWeights
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.tasks.worlds.tokens import (
     AnswerEnv,
     WarmStart,
@@ -241,7 +241,7 @@ class Knobs:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class RewardHackingRun:
+class RewardHackingRun(DiagnosedRun):
     """One seed under one method: GRPO on the ensemble's mean reward; the ensemble keeps training on the
     policy's answers labelled by the gold reward, except in the injected branch from onset, where it is frozen."""
 
@@ -267,7 +267,7 @@ class RewardHackingRun:
         members = self.ensemble.predict(answers)
         return {"reward": members.mean(1), "reward_ensemble": members}
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         frozen = injected and self.trainer.iteration >= self.budget.onset
         state = self.trainer.iterate()
         answers = state.batch["answers"]
@@ -295,9 +295,7 @@ class RewardHackingRun:
             "keywords": float((pi * (ALL_ANSWERS == KEYWORD).sum(1)).sum()),
             "exact_kl": float((pi * (logp - self.ref_logp)).sum()),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
 class RewardHacking(Task):

@@ -239,14 +239,14 @@ class RewardModelDriftRun(GRPORun):
 
 
 # --- The figure. -------------------------------------------------------------------------------------------
-def draw_reward_model(table: pd.DataFrame, out: Path) -> list[Path]:
+def draw_reward_model(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     """Held-out accuracy beside how well the reward model orders and fits the current samples."""
     from stabench.suite import figures
 
     panels = [("heldout_accuracy", "exact held-out accuracy (new rule)"),
               ("rm_pair_accuracy", "RM orders within-group pairs as gold does"),
               ("rm_fit_error", "RM residual on its own labels")]  # fmt: skip
-    return figures.fix_against_baseline(table, "reward-model-drift", panels, out, "20_reward_model_drift")
+    return figures.fix_against_baseline(table, "reward-model-drift", panels, out, name)
 
 
 class RewardModelDrift(Task):
@@ -277,7 +277,7 @@ class RewardModelDrift(Task):
     environments = {"stabench/RewardModelDrift-v0": "RewardModelDriftEnv"}
     figures = (
         Figure(
-            "20_reward_model_drift",
+            "reward-model",
             "a reward model on stale features",
             "reward-model-drift: exact held-out accuracy, how often the reward model orders within-group pairs as "
             "the gold reward does, and its residual on its own labels, baseline and R2M features, injected and "
@@ -289,9 +289,10 @@ class RewardModelDrift(Task):
 iteration on 16 gold labels of the policy's own answers, but reading three principal directions of the warm
 start's hidden states, fitted on what the warm start wrote. After the rule change those directions cannot tell
 answers with a 5 from answers without one (a linear fit on them predicts it at its base rate, on the unprojected
-states at 0.98): the reward model orders within-group pairs only slightly better than chance (0.56, the
-control's 0.74), and the policy follows its errors (9 of 10 seeds fail). Letting the reward model also read the
-live policy's hidden states (R2M) fails no seed; a frozen snapshot's unprojected states do as well, so what this
+states at 0.98): the reward model orders within-group pairs only slightly better than chance
+({tail_mean:rm_pair_accuracy:baseline}, the control's {tail_mean:rm_pair_accuracy:baseline:control}), and the
+policy follows its errors ({failed:baseline} seeds fail). Letting the reward model also read the live policy's
+hidden states (R2M) fails {failed:r2m-features} seeds; a frozen snapshot's unprojected states do as well, so what this
 task measures is features that stop describing what matters, not the drift of the policy as such."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> RewardModelDriftRun:

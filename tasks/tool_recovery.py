@@ -81,8 +81,8 @@ import pandas as pd
 import torch
 from stabench.baselines.models import SameWeights
 from stabench.baselines.tool_ppo import ToolPPO, ToolPPOConfig
-from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS, categorical_entropy
+from stabench.suite.api import Budget, DetectorSpec, Figure, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun, categorical_entropy
 from stabench.suite.figures import fix_against_baseline
 from stabench.tasks.worlds import tools
 from stabench.tasks.worlds.tokens import WarmStart, on_default_device
@@ -181,7 +181,7 @@ class Knobs:
 
 
 # --- One run. ---------------------------------------------------------------------------------------------
-class ToolRecoveryRun:
+class ToolRecoveryRun(DiagnosedRun):
     """One seed under one method: the trainer (policy, optimizer, numpy Generator) and the branch's schedule."""
 
     def __init__(
@@ -191,7 +191,7 @@ class ToolRecoveryRun:
         self.trainer = ToolPPO(warm_policy(), TimeoutWorld(), replace(CONFIG, seed=seed), stabilizer)
         self.evaluate = SameWeights()  # the exact returns, computed again only when the policy changed
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         shifted = self.trainer.iteration >= self.budget.onset  # both branches: timeouts become common
         timeout_prob = float(self.knobs.timeout_after) if shifted else TIMEOUT_BEFORE
         self.trainer.world.timeout_pay = float(self.knobs.timeout_pay) if injected and shifted else 1.0
@@ -218,18 +218,16 @@ class ToolRecoveryRun:
             "tool_token_share": float(tool.float().mean()),
             "clip_frac": state.extras["clip_frac"],
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
-def fig_recovery(table: pd.DataFrame, out: Path) -> list[Path]:
+def fig_recovery(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
     panels = [
         ("return", "exact return"),
         ("return_tool", "return after a timeout"),
         ("entropy_tool", "tool-state entropy"),
     ]
-    return fix_against_baseline(table, "tool-recovery", panels, out, "11_tool_recovery")
+    return fix_against_baseline(table, "tool-recovery", panels, out, name)
 
 
 class ToolRecovery(Task):
@@ -260,7 +258,7 @@ class ToolRecovery(Task):
     environments = {"stabench/ToolRecovery-v0": "ToolRecoveryEnv"}
     figures = (
         Figure(
-            "11_tool_recovery",
+            "recovery",
             "tool-recovery",
             "Exact return, return after a timeout and tool-state entropy on tool-recovery, baseline and matched fix.",
             fig_recovery,

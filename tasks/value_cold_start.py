@@ -54,8 +54,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from stabench.baselines.token_ppo import PrefixCritic, TokenPPO, TokenPPOConfig
-from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.api import Budget, DetectorSpec, GroundTruth, StabenchError, Stabilizer, Task, TrainState
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.tasks.worlds.tokens import (
     AnswerEnv,
     all_answers_logp,
@@ -163,7 +163,7 @@ class Knobs:
 
 
 # --- One run. ----------------------------------------------------------------------------------------------
-class ValueColdStartRun:
+class ValueColdStartRun(DiagnosedRun):
     """One seed under one method: the token-PPO trainer (policy, critic, both Adams, sampler Generator)."""
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...],
@@ -186,7 +186,7 @@ class ValueColdStartRun:
             critic = PrefixCritic(N_ACTIONS, ANSWER_LEN, CRITIC_WIDTH, out_scale=self.critic_scale)
         self.trainer.reset_critic(critic)
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         tr = self.trainer
         switched = tr.iteration >= self.onset  # the task switch: both branches
         if injected and tr.iteration == self.onset:
@@ -205,9 +205,7 @@ class ValueColdStartRun:
             "policy_loss": state.extras["loss_terms"].get("policy", math.nan),  # the last update's, as minimized
             "value_loss": state.extras["loss_terms"].get("value", math.nan),
         }
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state
 
 
 class ValueColdStart(Task):
@@ -239,9 +237,9 @@ class ValueColdStart(Task):
     paper = """On value-cold-start the rule of a token walk changes at onset in both branches, and in the injected
 branch the critic is replaced by a freshly initialized value head whose output is 30 times too large, as when a
 new value head is bolted on. With advantages that are not normalized, the head's errors drive the policy for as
-long as they stay large, so the baseline learns the new rule late rather than never: 8 of 10 baseline runs fail
-on the calibration seeds and 7 of 10 on fresh seeds. Warming the new head up on Monte-Carlo returns before the
-policy trains again (the critic warm-up) costs a short wait and fails 2 and 1."""
+long as they stay large, so the baseline learns the new rule late rather than never: {failed:baseline} baseline
+runs fail on the calibration seeds (fresh seeds: results/calibration.md). Warming the new head up on Monte-Carlo
+returns before the policy trains again (the critic warm-up) costs a short wait and fails {failed:critic-warmup}."""
 
     def build(self, tier: str, seed: int, stabilizer: Stabilizer) -> ValueColdStartRun:
         return ValueColdStartRun(self.budget(tier), seed, stabilizer, self.diagnostics, self.knobs.critic_scale)

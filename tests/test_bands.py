@@ -147,3 +147,33 @@ def test_a_tuned_row_is_paired_only_with_a_default_from_the_same_run(tmp_path):
     line_a = next(line for line in text.splitlines() if line.startswith("| 2 (1) | a |"))
     assert "+0.1" in line_a and "0.3 [0.25, 0.35]" in line_a
     assert "| band (default's) |" in text and leaderboard.BAND_NOTE in text
+
+
+def test_a_tuned_rows_same_run_default_is_shown_beside_it_and_not_ranked_again(tmp_path):
+    matrix, tuned_run = "m" * 64, "t" * 64
+    rows = [row("a", 0.30, 0.25, 0.35, digest=matrix),  # a's row from the method matrix: ranked
+            row("a", 0.20, 0.15, 0.25, digest=tuned_run),  # a's default in the tuned run: pairs a@x=1 only
+            row("b", 0.28, 0.24, 0.33, digest=tuned_run),  # no tuned b in that run: ranked
+            tuned("a@x=1", 0.40, 0.36, 0.44, tuned_run)]
+    assert leaderboard.tuned_pairs(rows) == {1}
+    assert leaderboard.row_bands(rows)[1] is None and leaderboard.row_bands(rows)[0] == 1
+    (t,) = leaderboard.tuning_table(rows)
+    assert t["has_default"] and t["default"] == pytest.approx(0.20)
+    path = tmp_path / "LEADERBOARD.md"
+    leaderboard.render_markdown(rows, path)
+    main = path.read_text().split("## Tuned stabilizers")[0]
+    assert [line.split(" | ")[1] for line in main.splitlines() if line.startswith("| 1 ")] == ["a", "b"]
+
+
+def test_leaderboard_md_names_the_tasks_whose_calibration_is_thin(tmp_path):
+    path = tmp_path / "LEADERBOARD.md"
+    leaderboard.render_markdown(ROWS, path)
+    assert "thin or missed" not in path.read_text()  # no margins file: nothing said
+    (tmp_path / "calibration").mkdir()
+    (tmp_path / "calibration" / "margins.csv").write_text(
+        "task,seeds,meets_bar,meets_rate_checks,missed,thin,spare: references fail,spare: baseline fails,"
+        "spare: control healthy,spare: fix helps\n"
+        "t1,0-9,True,True,,baseline fails,2,0,1,1\nt2,0-9,True,True,,,2,2,1,1\n")
+    leaderboard.render_markdown(ROWS, path)
+    text = path.read_text()
+    assert "- t1: seeds 0-9: within one seed of the bar: baseline fails" in text and "- t2" not in text

@@ -100,3 +100,38 @@ def test_score_refuses_runs_that_overlap(capsys):
     assert main(["score", run, run, "--calibration"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("stabench: error: the runs overlap")
+
+
+def test_margins_file_keeps_one_row_per_task_and_seed_set_and_names_what_is_thin(tmp_path):
+    from stabench.suite.calibration import margin_notes, margin_records, write_margins
+
+    path = tmp_path / "margins.csv"
+    good = verdicts(_counted(_good()))
+    write_margins(margin_records(good, {"t": "0-9"}), path)
+    assert margin_notes(path) == {}  # met with seeds to spare: nothing to say
+    thin = verdicts(_counted(_good(), fails=(8, 0, 0, 10, 10)))
+    write_margins(margin_records(thin, {"t": "100-109"}), path)
+    write_margins(margin_records(thin, {"t": "0-9"}), path)  # replaces the first 0-9 row, keeps 100-109
+    assert path.read_text().count("\nt,") == 2
+    assert margin_notes(path) == {"t": "seeds 0-9: within one seed of the bar: baseline fails"
+                                       " | seeds 100-109: within one seed of the bar: baseline fails"}
+    missed = verdicts(_counted(_good(), fails=(7, 0, 0, 10, 10)))
+    write_margins(margin_records(missed, {"t": "0-9"}), path)
+    assert margin_notes(path)["t"].startswith("seeds 0-9: missed baseline fails")
+    assert margin_notes(tmp_path / "absent.csv") == {}
+    returns = verdicts(_counted([dict(r, control_normalized_return=0.5) for r in _good()]))
+    write_margins(margin_records(returns, {"t": "100-109"}), path)  # fresh seeds: only the rate checks apply
+    assert "100-109" not in margin_notes(path)["t"]
+    write_margins(margin_records(returns, {"t": "0-9"}), path)
+    assert margin_notes(path)["t"] == "seeds 0-9: missed control learns"
+
+
+def test_write_margins_needs_calibration(tmp_path, capsys):
+    from pathlib import Path
+
+    from stabench.suite.cli import main
+
+    run = str(Path(__file__).parent / "data" / "paper_results")
+    assert main(["score", run, "--write-margins", str(tmp_path / "m.csv")]) == 2
+    assert capsys.readouterr().err.strip() == "stabench: error: --write-margins needs --calibration"
+    assert not (tmp_path / "m.csv").exists()

@@ -33,7 +33,7 @@ import pytest
 import torch
 from conftest import TOY
 from scipy import stats
-from stabench.suite import registry, runner, scoring
+from stabench.suite import registry, runner, skill, statistics
 from stabench.suite.api import (
     BEHAVIOUR_POLICY,
     LOSS_SCHEMA,
@@ -55,14 +55,18 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRACT = f"{Path(__file__).parent / 'plugins' / 'contract.py'}:RecordAndSkip"
 HOOKS = f"{Path(__file__).parent / 'plugins' / 'hooks.py'}:RecordHooks"
 SPIKE_SKIP = f"{ROOT / 'examples' / 'my_stabilizer.py'}:SpikeSkip"
-# one real task per trainer, at the smoke tier
-TASK_OF_TRAINER = {
-    "ppo": "parallel-staleness",
-    "grpo": "kl-estimator-bias",
-    "token-ppo": "value-cold-start",
-    "tool-ppo": "rare-tool-states",
-    "dqn": "policy-churn",
-}
+
+
+def first_task_of_each_trainer() -> dict[str, str]:
+    """One real task per trainer (the first built-in that trains with it), run at the smoke tier: a new trainer's
+    first task joins these tests by itself."""
+    found: dict[str, str] = {}
+    for name in registry.discover("task"):
+        found.setdefault(registry.get_task(name).trainer, name)
+    return found
+
+
+TASK_OF_TRAINER = first_task_of_each_trainer()
 POLICY_GRADIENT = ("ppo", "grpo", "token-ppo", "tool-ppo")
 ITERATIONS = 3  # healthy iterations stepped per run (DQN's first iteration only fills its replay buffer)
 
@@ -181,7 +185,7 @@ def test_the_rollout_hook_is_called_once_per_iteration_where_declared_and_its_ba
 
 def test_every_builtin_rollout_hook_is_on_a_trainer_that_calls_it():
     tasks = all_tasks()
-    for name in registry.BUILTIN_STABILIZERS:
+    for name in registry.discover("stabilizer"):
         cls = registry.resolve_class("stabilizer", name)
         if cls.rollout is not Stabilizer.rollout:
             assert {t.trainer for t in tasks if cls().applies_to(t)} <= ROLLOUT_TRAINERS, name
@@ -339,7 +343,7 @@ def test_a_declared_sampler_differs_from_the_learner() -> None:
 
 def test_every_builtin_stabilizer_applies_somewhere() -> None:
     tasks = all_tasks()
-    for name in registry.BUILTIN_STABILIZERS:
+    for name in registry.discover("stabilizer"):
         stab = registry.make_stabilizer(name)
         assert any(stab.applies_to(t) for t in tasks), name
     # `trainers` narrows by hand: the network rebuild only where the PPO tasks' actor-critic is
@@ -430,8 +434,8 @@ def test_across_tasks_ranks_over_the_common_tasks_and_lists_where_a_method_acts(
         add(t, "partial", True, rng.normal(0.9, 0.1, 4))
     add("c", "full", False, base["c"])  # does not act on c: the baseline's runs, copied
     per_run = pd.DataFrame(rows)
-    assert scoring.common_tasks(per_run) == ["a", "b", "c"]
-    agg = {r["method"]: r for r in scoring.across_tasks(per_run)}
+    assert statistics.common_tasks(per_run) == ["a", "b", "c"]
+    agg = {r["method"]: r for r in statistics.across_tasks(per_run)}
     full, partial = agg["full"], agg["partial"]
     assert full["ranked"] and full["n_tasks"] == 3 and full["acts_on"] == ["a", "b"]
     assert not partial["ranked"] and partial["n_tasks"] == 2 and partial["acts_on"] == ["a", "b"]
@@ -448,12 +452,12 @@ def test_detector_runs_leave_out_the_copies_of_the_baseline() -> None:
                     ignore_index=True)
     copies = base.assign(method="grad-clip", method_ref="grad-clip", role="other", acts=False)
     table = pd.concat([base.assign(acts=True), fix.assign(acts=True), copies], ignore_index=True)
-    counts = scoring.detector_runs(table)["method"].value_counts().to_dict()
+    counts = skill.detector_runs(table)["method"].value_counts().to_dict()
     assert set(counts) == {"baseline", "toy-fix"} and counts["baseline"] == counts["toy-fix"] > 0
-    n_detectors = scoring.detector_runs(table).query("method == 'baseline'")["detector"].nunique()
+    n_detectors = skill.detector_runs(table).query("method == 'baseline'")["detector"].nunique()
     assert counts["baseline"] == n_detectors * 2 * 2  # detectors x seeds x variants
     # the filter is what removes them: without the `acts` column the copies count as runs
-    assert scoring.detector_runs(table.drop(columns="acts"))["method"].value_counts()["grad-clip"] == counts["baseline"]
+    assert skill.detector_runs(table.drop(columns="acts"))["method"].value_counts()["grad-clip"] == counts["baseline"]
 
 
 # ---- packaging --------------------------------------------------------------------------------------------------

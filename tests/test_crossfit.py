@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import TOY
-from stabench.suite import crossfit, detectors, registry, scoring
+from stabench.suite import crossfit, detectors, registry, skill
 from stabench.suite.api import Detector, StabenchError
 
 pytestmark = pytest.mark.smoke
@@ -102,7 +102,7 @@ def plugins(monkeypatch):
 
 
 def score_of(table: pd.DataFrame, name: str) -> dict:
-    return next(r for r in scoring.detector_track(table) if r["detector"] == name)
+    return next(r for r in skill.detector_track(table) if r["detector"] == name)
 
 
 def test_folds_cross_seeds_with_left_out_methods():

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import TOY
-from stabench.suite import detectors, leaderboard, registry, scoring
+from stabench.suite import detectors, formatting, leaderboard, registry, scoring, skill
 from stabench.suite.api import StabenchError
 from stabench.suite.trial import TrialSpec, run_trial
 
@@ -51,7 +51,7 @@ def grid(seeds: int = 20, healthy_share: float = 0.5) -> list[dict]:
 
 
 def scores(table: pd.DataFrame) -> dict[str, dict]:
-    return {r["detector"]: r for r in scoring.detector_track(table)}
+    return {r["detector"]: r for r in skill.detector_track(table)}
 
 
 def positive(run: dict) -> bool:
@@ -77,7 +77,7 @@ def test_an_alarm_held_from_before_onset_counts_at_onset_and_a_failing_control_i
     table = make_table(runs, {"held": lambda r, it: positive(r) | (it < ONSET)})
     got = scores(table)
     assert got["held"]["score"] == pytest.approx(100.0)  # held since iteration 0 on positives: credit at onset
-    kinds = scoring.detector_runs(table).query("detector == 'held'")["kind"].value_counts()
+    kinds = skill.detector_runs(table).query("detector == 'held'")["kind"].value_counts()
     assert kinds["excluded"] == 1 and kinds["positive"] == 4 + 2
 
 
@@ -121,7 +121,7 @@ def test_lead_time_on_a_hand_made_case():
             for s in range(3) for v in ("injected", "control")]
     early = {0: ONSET + 2, 1: ONSET + 3, 2: ONSET + 9}
     table = make_table(runs, {"d": lambda r, it: positive(r) & (it >= early[r["seed"]])})
-    runs_frame = scoring.detector_runs(table).query("detector == 'd' and kind == 'positive'").set_index("seed")
+    runs_frame = skill.detector_runs(table).query("detector == 'd' and kind == 'positive'").set_index("seed")
     assert list(runs_frame["visible_at"]) == [ONSET + 6] * 3
     assert list(runs_frame["lead"]) == [4, 3, -3]
     row = scores(table)["d"]
@@ -230,13 +230,13 @@ def test_runs_of_the_reference_stabilizers_are_not_scored():
     extra = make_table(refs, {"oracle-like": lambda r, it: np.zeros(N, bool)}).assign(role="reference")
     with_refs = pd.concat([base, extra], ignore_index=True)
     assert scores(with_refs)["oracle-like"]["score"] == pytest.approx(scores(base)["oracle-like"]["score"])
-    assert "frozen-at-onset" not in set(scoring.detector_runs(with_refs)["method"])
+    assert "frozen-at-onset" not in set(skill.detector_runs(with_refs)["method"])
 
 
 def test_split_detection_reads_one_rule_on_the_tool_state_diagnostic_and_on_its_aggregate():
     """Seed 004's comparison on a constructed table: the tool-state ratio tail jumps 5 iterations before a failing
     run's return drops, the aggregate (diluted by text tokens) barely moves; every rule sees the same runs."""
-    from stabench.suite import paper
+    from stabench.tasks.worlds import tool_detection
 
     rng = np.random.default_rng(0)
     runs = [{**run, "drop": ONSET + 10} for run in grid()]
@@ -246,17 +246,17 @@ def test_split_detection_reads_one_rule_on_the_tool_state_diagnostic_and_on_its_
         jump[rows.index] = np.where(positive(run) & (rows["iteration"] >= ONSET + 5), 5.0, 0.0)
     table["ratio_p99_tool"] = 1.2 + 0.05 * rng.standard_normal(len(table)) + jump
     table["ratio_p99"] = 1.1 + 0.05 * rng.standard_normal(len(table)) + 0.001 * jump
-    frame = paper.split_detection(table)
+    frame = tool_detection.split_detection(table)
     assert set(frame["rule"]) == {"calibrated-threshold", "cusum", "page-hinkley"}
     assert set(frame["tool-state diagnostic"]) == {"ratio_p99_tool"}  # pairs the table lacks are left out
     assert (frame["split score"] > 50).all() and (frame["aggregate score"].abs() < 20).all()
     assert (frame["split median lead"] > 0).all()
-    assert (paper.split_detection_table(frame)["verdict"] == "split better").all()
+    assert (tool_detection.split_detection_table(frame)["verdict"] == "split better").all()
     assert (frame["failing runs"] == 30).all()  # 20 baseline and 10 fix injected runs fail
 
 
 def test_split_detection_summary_counts_verdicts_and_asks_for_an_earlier_warning():
-    from stabench.suite import paper
+    from stabench.tasks.worlds import tool_detection
 
     def row(split, agg, split_lead, agg_lead):
         return {"task": "t", "tool-state diagnostic": "ratio_p99_tool", "aggregate": "ratio_p99", "side": "above",
@@ -265,25 +265,25 @@ def test_split_detection_summary_counts_verdicts_and_asks_for_an_earlier_warning
                 "aggregate ci_high": agg + 1, "aggregate median lead": agg_lead, "failing runs": 3, "negative runs": 3}
 
     later = pd.DataFrame([row(50, 0, -2, 5), row(0, 40, 3, 3), row(10, 10.5, 1, 1)])
-    text = paper.split_detection_summary(later)
+    text = tool_detection.split_detection_summary(later)
     assert text.startswith("Of 3 comparisons the tool-state reading is better in 1") and "the aggregate in 1" in text
     assert text.endswith("in none is the better tool-state reading also earlier than the failure and the aggregate")
     earlier = pd.DataFrame([row(50, 0, 6, 2)])
-    assert paper.split_detection_summary(earlier).endswith("in 1 it also warns earlier than both")
-    assert "not tested" in paper.split_detection_summary(pd.DataFrame())
+    assert tool_detection.split_detection_summary(earlier).endswith("in 1 it also warns earlier than both")
+    assert "not tested" in tool_detection.split_detection_summary(pd.DataFrame())
 
 
 def test_method_prior_leaves_the_scored_seed_out_and_never_alarms_on_a_control():
     outcome = {("a", 0): True, ("a", 1): True, ("a", 2): True, ("a", 3): False,  # a fails 3 of 4
                ("b", 0): True, ("b", 1): False, ("b", 2): False, ("b", 3): False,  # b fails 1 of 4
                ("c", 0): True, ("c", 1): False}  # c: with its own seed it would be a tie (never more than half)
-    prior = scoring.method_prior(outcome)
+    prior = skill.method_prior(outcome)
     assert [prior[("a", s)] for s in range(4)] == [True, True, True, True]  # seed 3's others: 3 of 3 failed
     assert not any(prior[("b", s)] for s in range(4))  # seed 0's others: 0 of 3
     assert prior[("c", 0)] is False and prior[("c", 1)] is True  # each seed reads only the other one
     runs = [{"method": m, "seed": s, "variant": v, "fails": v == "injected" and f}
             for (m, s), f in outcome.items() for v in ("injected", "control")]
-    frame = scoring.detector_runs(make_table(runs)).query("detector == 'method-prior'").set_index(
+    frame = skill.detector_runs(make_table(runs)).query("detector == 'method-prior'").set_index(
         ["method", "seed", "variant"])
     for (m, s), warns in prior.items():
         assert frame.loc[(m, s, "injected"), "detected"] == warns
@@ -308,12 +308,12 @@ def test_false_alarm_rate_counts_the_healthy_runs_with_an_alarm_after_onset():
     assert row["false_alarm_rate_control"] == pytest.approx(10 / 40)
     assert row["false_alarm_rate_healthy_injected"] == pytest.approx(2 / 10)
     assert row["false_alarm_rate"] == pytest.approx(12 / 50)
-    summary = scoring.alarm_summary(scoring.detector_runs(table).query("detector == 'd'"))
+    summary = skill.alarm_summary(skill.detector_runs(table).query("detector == 'd'"))
     assert summary["false_alarm_rate"] == pytest.approx(12 / 50) and summary["per_task"]["toy"] == [0.24, None]
     assert summary["median_lead"] is None  # it never warns a failing run
     result = scoring.score(table)
-    assert "false_alarm_rate  median_lead" in scoring.format_table(result)
-    assert "| false_alarm_rate | median_lead |" in scoring.format_markdown(result)
+    assert "false_alarm_rate  median_lead" in formatting.format_table(result)
+    assert "| false_alarm_rate | median_lead |" in formatting.format_markdown(result)
 
 
 def test_leaderboard_detector_rows_carry_false_alarms_and_lead_and_are_read_against_method_prior(tmp_path):

@@ -77,7 +77,7 @@ def test_the_warm_up_is_capped_at_the_onset_and_never_reads_a_post_onset_row():
 def test_every_built_in_reads_healthy_statistics_from_pre_onset_rows_only_on_every_task():
     from stabench.suite import registry
 
-    for name in sorted(registry.BUILTIN_TASKS):
+    for name in sorted(registry.discover("task")):
         task = registry.get_task(name)
         budget = task.budget("quick")
         for cls in (CalibratedThreshold, Cusum, PageHinkley):
@@ -91,3 +91,62 @@ def test_every_built_in_reads_healthy_statistics_from_pre_onset_rows_only_on_eve
             assert all(v < 3 for v in detector._seen), (name, cls.name)  # no post-onset value entered them
             if budget.onset < 2:  # reward-model-drift (onset 1): no statistics from one row, silent
                 assert math.isnan(detector.sigma), name
+
+
+@pytest.mark.parametrize("cls", [CalibratedThreshold, Cusum, PageHinkley])
+def test_a_whole_run_at_once_raises_exactly_the_alarms_of_row_by_row_updates(cls):
+    """`series` (what `replay_rules` uses) against `update` on random runs with missing values, shifts, flat
+    warm-ups and onsets before, inside and after the warm-up: the same alarms, row for row."""
+    rng = np.random.default_rng(7)
+    compared = alarmed = 0
+    for trial in range(300):
+        n = int(rng.integers(0, 60))
+        values = rng.normal(rng.normal(0, 5), rng.choice([1e-9, 0.1, 1.0, 10.0]), n)
+        values += np.where(np.arange(n) >= rng.integers(0, 60), rng.normal(0, 8), 0.0)
+        values[rng.random(n) < rng.choice([0.0, 0.2, 0.6])] = math.nan
+        if trial % 10 == 0 and n:
+            values[: n // 2] = 1.5  # a flat warm-up: the spread's floor
+        warmup, onset = int(rng.integers(0, 12)), rng.choice([None, *range(0, 25)])
+        above = bool(rng.integers(0, 2))
+        streamed = cls("x", warmup, above=above, onset=onset)
+        expected = np.array([streamed.update({"x": float(v)}) for v in values], dtype=bool)
+        got = cls("x", warmup, above=above, onset=onset).series(values)
+        assert got.dtype == bool and np.array_equal(got, expected), (trial, warmup, onset, above)
+        compared, alarmed = compared + n, alarmed + int(expected.sum())
+    assert alarmed > 0.05 * compared  # the comparison saw alarms, not only silence
+
+
+def test_replay_rules_matches_feeding_each_run_row_by_row():
+    """Runs shuffled in the table, iterations out of order, a rule without `series` and one whose column is not
+    there: every rule's alarms are those of a fresh detector fed its run's rows in iteration order."""
+    from functools import partial
+
+    import pandas as pd
+    from stabench.suite import registry
+    from stabench.suite.api import ThresholdDetector
+    from stabench.suite.detectors import replay_rules
+
+    task = registry.get_task("policy-churn")
+    metric = task.detector.metric
+    rng = np.random.default_rng(3)
+    runs = []
+    for method in ("a", "b"):
+        for seed in (0, 1, 2):
+            for variant in ("control", "injected"):
+                values = rng.normal(0, 1, 40) + np.where(np.arange(40) >= 20, 4.0 * (variant == "injected"), 0.0)
+                values[rng.random(40) < 0.1] = math.nan
+                runs.append(pd.DataFrame({"method": method, "seed": seed, "variant": variant,
+                                          "iteration": np.arange(40), metric: values}))
+    rows = pd.concat(runs, ignore_index=True).sample(frac=1.0, random_state=1)
+    rules = {"ph": partial(PageHinkley, metric, 5, onset=20), "cusum-": partial(Cusum, metric, 5, above=False),
+             "threshold": partial(ThresholdDetector, metric, 1.0), "absent": partial(Cusum, "no_such_column", 5)}
+    got = replay_rules(rows, task, rules, [metric])
+    for name, make in rules.items():
+        expected = np.zeros(len(rows), bool)
+        for _, run in rows.groupby(["method", "seed", "variant"]):
+            run = run.sort_values("iteration")
+            detector = make()
+            alarms = [detector.update({metric: v}) for v in run[metric]]
+            expected[rows.index.get_indexer(run.index)] = alarms
+        assert np.array_equal(got[name], expected), name
+    assert got["ph"].any() and got["threshold"].any() and not got["absent"].any()

@@ -20,7 +20,7 @@ from stabench.baselines.stabilizers.clipping import GradClip  # noqa: E402
 from stabench.suite.api import Stabilizer  # noqa: E402
 from stabench.suite.diagnostics import DIAGNOSTICS, layer_groups, per_layer_grad_norms  # noqa: E402
 from stabench.tasks.dead_layers import NEW_GOAL, NEW_MAX_STEPS, DeadLayers, new_room  # noqa: E402
-from stabench.tasks.worlds.grids import WORLDS, make_vector_env  # noqa: E402
+from stabench.tasks.worlds.grids import environments, make_vector_env  # noqa: E402
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -36,7 +36,7 @@ def same_rows(a: dict[str, float], b: dict[str, float]) -> bool:
 
 
 @pytest.mark.filterwarnings("ignore:.*different from the unwrapped version")
-@pytest.mark.parametrize("env_id", sorted(WORLDS))
+@pytest.mark.parametrize("env_id", sorted(environments))
 def test_registered_env_passes_check_env(env_id: str) -> None:
     env = gym.make(env_id)
     check_env(env.unwrapped, skip_render_check=True)  # the bare world
@@ -183,7 +183,7 @@ def test_dead_layers_anchors_make_not_learning_fail() -> None:
             logits[state, action] = 30.0
             state = int(room.next_state[state, action])
             assert state >= 0
-        assert room.cells[state][:2] == (3, 3) and room.evaluate(logits)[0] < 1e-6
+        assert room.states[state][:2] == (3, 3) and room.evaluate(logits)[0] < 1e-6
 
 
 def test_moved_goal_room_steps_exactly_as_minigrid() -> None:

@@ -8,9 +8,11 @@ import pandas as pd
 import pytest
 import torch
 from conftest import TOY
-from stabench.suite import registry, scoring
-from stabench.suite.api import Budget, GroundTruth, StabenchError
+from stabench.suite import outcomes, registry, scoring, statistics
+from stabench.suite.api import Budget, GroundTruth, StabenchError, TrainState
 from stabench.suite.diagnostics import (
+    DIAGNOSTICS,
+    DiagnosedRun,
     dormant_share,
     effective_rank,
     per_layer_grad_norms,
@@ -93,19 +95,19 @@ def test_experiment_grid_and_its_checks():
 def test_failure_rules_on_hand_built_runs():
     rows = pd.DataFrame({"iteration": range(8), "return": [1, 1, 1, 1, 1, 1, 0.2, 0.2], "status": "ok"})
     tail = GroundTruth("return", 0.5, "below", "tail_mean", tail=0.25)
-    assert scoring.run_failed(rows, tail, onset=4, iterations=8)
-    assert not scoring.run_failed(rows.assign(**{"return": 1.0}), tail, onset=4, iterations=8)
+    assert outcomes.run_failed(rows, tail, onset=4, iterations=8)
+    assert not outcomes.run_failed(rows.assign(**{"return": 1.0}), tail, onset=4, iterations=8)
     spike = GroundTruth("return", 0.9, "above", "any")
-    assert not scoring.run_failed(rows.assign(**{"return": [1, 0, 0, 0, 0, 0, 0, 0]}), spike, 1, 8)  # before onset
-    assert scoring.run_failed(rows.assign(**{"return": [0, 0, 0, 0, 0, 1, 0, 0]}), spike, 1, 8)
-    assert scoring.run_failed(rows.assign(status="diverged"), spike, 1, 8)
+    assert not outcomes.run_failed(rows.assign(**{"return": [1, 0, 0, 0, 0, 0, 0, 0]}), spike, 1, 8)  # before onset
+    assert outcomes.run_failed(rows.assign(**{"return": [0, 0, 0, 0, 0, 1, 0, 0]}), spike, 1, 8)
+    assert outcomes.run_failed(rows.assign(status="diverged"), spike, 1, 8)
 
 
 def test_diverged_runs_count_their_missing_iterations_at_the_floor():
     task = registry.get_task(f"{TOY}:ToyTask")
     rows = pd.DataFrame({"iteration": [0, 1, 2, 3], "return": [1.0, 1.0, 1.0, np.nan], "diverged_at": 3.0})
     # onset 2, 6 iterations: iteration 2 reached (1.0), iterations 3-5 never reached (floor 0)
-    assert scoring.post_onset_return(rows, task, onset=2, iterations=6) == pytest.approx(0.25)
+    assert outcomes.post_onset_return(rows, task, onset=2, iterations=6) == pytest.approx(0.25)
 
 
 def test_score_table_on_toy_runs_separates_fix_from_baseline():
@@ -120,10 +122,10 @@ def test_score_table_on_toy_runs_separates_fix_from_baseline():
 
 def test_bootstrap_interval_contains_the_mean_and_is_reproducible():
     values = np.array([0.1, 0.4, 0.35, 0.8, 0.5])
-    low, high = scoring.bootstrap_mean_ci(values)
+    low, high = statistics.bootstrap_mean_ci(values)
     assert low < values.mean() < high
-    assert (low, high) == scoring.bootstrap_mean_ci(values)
-    assert scoring.bootstrap_mean_ci(np.array([0.3, 0.3])) == (0.3, 0.3)
+    assert (low, high) == statistics.bootstrap_mean_ci(values)
+    assert statistics.bootstrap_mean_ci(np.array([0.3, 0.3])) == (0.3, 0.3)
 
 
 def test_per_layer_grad_norms_on_known_gradients():
@@ -150,12 +152,12 @@ def test_effective_rank_and_dormant_share_on_constructed_cases():
 def test_a_no_op_stabilizer_lands_in_the_baseline_interval_and_self_improvement_is_one_half():
     runs = [toy_trial(m, s) for m in ("baseline", f"{TOY}:NoOp", f"{TOY}:ToyFix") for s in range(4)]
     table = pd.concat(runs)
-    per_run = scoring.outcomes(table)
-    track = {r["method"]: r for r in scoring.stabilizer_track(table, per_run)}
+    per_run = outcomes.outcomes(table)
+    track = {r["method"]: r for r in statistics.stabilizer_track(table, per_run)}
     base, noop = track["baseline"], track["no-op"]
     assert base["ci_low"] <= noop["normalized_return"] <= base["ci_high"]
     assert noop["failure_rate"] == base["failure_rate"]
-    agg = {r["method"]: r for r in scoring.across_tasks(per_run)}
+    agg = {r["method"]: r for r in statistics.across_tasks(per_run)}
     assert agg["no-op"]["probability_of_improvement"] == pytest.approx(0.5)
     assert agg["baseline"]["probability_of_improvement"] == pytest.approx(0.5)
     assert agg["toy-fix"]["probability_of_improvement"] == 1.0
@@ -169,7 +171,7 @@ def test_probability_of_improvement_of_a_method_against_a_copy_of_itself_is_one_
     for _ in range(20):
         rows = [{"task": t, "method": m, "seed": s, "variant": "injected", "normalized_return": rng.normal(0.5, 0.1)}
                 for t in ("a", "b", "c") for m in ("x", "baseline") for s in range(10)]
-        x = {r["method"]: r for r in scoring.across_tasks(pd.DataFrame(rows))}["x"]
+        x = {r["method"]: r for r in statistics.across_tasks(pd.DataFrame(rows))}["x"]
         estimates.append(x["probability_of_improvement"])
         covered += x["poi_ci_low"] <= 0.5 <= x["poi_ci_high"]
         assert x["ci_low"] < x["iqm"] < x["ci_high"] and x["n_tasks"] == 3
@@ -211,5 +213,31 @@ def test_a_named_grid_expands_into_one_trial_per_cell_and_seed():
 def test_a_trial_with_knobs_records_its_cell():
     table = run_trial(TrialSpec("parallel-staleness", "baseline", 0, "smoke", knobs=(("lag", 4),)))
     assert (table["cell"] == "lag=4").all() and (table["knob_lag"] == 4).all()
-    result = scoring.outcomes(table)
+    result = outcomes.outcomes(table)
     assert set(result["task"]) == {"parallel-staleness [lag=4]"}
+
+
+def test_a_run_gets_its_declared_diagnostics_from_the_harness_once_after_its_own_columns(monkeypatch):
+    """`DiagnosedRun.step` computes each declared diagnostic once per iteration, from the state `train` returned, and
+    appends its columns after the task's own, in the declared order; no task computes them itself."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    grads = {n: torch.full_like(p, 0.5) for n, p in model.named_parameters()}
+    state = TrainState(model, {}, grads, {}, {"activations": [torch.tensor([[0.0, 1.0, 2.0], [0.0, 3.0, 2.0]])]})
+    calls = []
+    for name in ("grad_norms", "dormant"):
+        fn = DIAGNOSTICS[name]
+        monkeypatch.setitem(DIAGNOSTICS, name, lambda st, fn=fn, name=name: calls.append((name, st)) or fn(st))
+
+    class Run(DiagnosedRun):
+        diagnostics = ("dormant", "grad_norms")
+
+        def train(self, injected):
+            return {"step": 4.0, "return": 0.5}, state
+
+    row = Run().step(True)
+    assert [name for name, _ in calls] == ["dormant", "grad_norms"] and all(st is state for _, st in calls)
+    assert list(row) == ["step", "return", "dormant_share", "grad_norm/00", "grad_norm/01", "grad_norm_total"]
+    assert row["dormant_share"] == pytest.approx(1 / 3)  # the first unit never fires
+    assert row["grad_norm/00"] == pytest.approx(0.5 * math.sqrt(9)) and row["grad_norm/01"] == pytest.approx(1.0)
+    tasks = Path(__file__).resolve().parents[1] / "tasks"
+    assert not [p.name for p in tasks.rglob("*.py") if "DIAGNOSTICS[" in p.read_text()]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import TOY
-from stabench.suite import detectors, leaderboard, registry, scoring
+from stabench.suite import detectors, leaderboard, registry, statistics
 from stabench.suite.cli import main
 from stabench.suite.fingerprint import machine_fingerprint
 from test_cli import toy_run_folder
@@ -24,7 +24,7 @@ def test_the_committed_detector_rows_are_computed_on_the_method_matrix():
     digest = leaderboard.results_digest(pd.read_parquet(ROOT / "results" / "matrix" / "metrics.parquet"))
     detector = [r for r in rows if r["track"] == "detector"]
     # every built-in detector has its row: the change rules, the chance and knowledge references, the learned one
-    assert sorted(r["name"] for r in detector) == sorted(registry.BUILTIN_DETECTORS)
+    assert sorted(r["name"] for r in detector) == sorted(registry.discover("detector"))
     assert {r["results_digest"] for r in detector} == {digest}
     untuned = [r for r in rows if r["track"] == "stabilizer" and not json.loads(r.get("tuning") or "{}")]
     assert len(untuned) == 38 and {r["results_digest"] for r in untuned} == {digest}
@@ -66,8 +66,8 @@ def test_verify_names_a_folder_no_row_came_from_and_still_fails_on_a_mismatch(ca
     out, err = capsys.readouterr()
     assert out.strip() == "2 rows intact; 1 run folders recomputed (1 with no row); 0 mismatches"
     assert err == f"note: {other}: no leaderboard row was computed from these results, nothing to recompute\n"
-    real = scoring.across_tasks
-    monkeypatch.setattr(scoring, "across_tasks", lambda runs: [{**r, "iqm": r["iqm"] + 1} for r in real(runs)])
+    real = statistics.across_tasks
+    monkeypatch.setattr(statistics, "across_tasks", lambda runs: [{**r, "iqm": r["iqm"] + 1} for r in real(runs)])
     assert main(["verify", str(run), str(other), "--leaderboard", str(board)]) == 1
     out, err = capsys.readouterr()
     assert "1 mismatches" in out and "mismatch: stabilizer baseline: aggregate is" in err

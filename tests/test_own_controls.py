@@ -87,7 +87,7 @@ def test_a_run_without_its_own_controls_is_refused_in_one_line(capsys, tmp_path,
 
 
 def test_detector_rows_need_no_references(capsys, tmp_path, toy_table):
-    """A detector row scores every run of the grid but the references' (`scoring.detector_rows`): it is not read
+    """A detector row scores every run of the grid but the references' (`skill.detector_rows`): it is not read
     against them, so a run without them still gives detector rows."""
     board = tmp_path / "leaderboard.csv"
     run = folder(tmp_path / "run", spoil(toy_table, "no frozen-at-onset"))

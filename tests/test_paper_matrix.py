@@ -147,15 +147,15 @@ def test_without_a_matrix_the_text_says_it_was_not_run(tmp_path):
     assert set(values) >= {"value:matrix_specific", "value:matrix_broad", "value:matrix_wall_time",
                            "table:matrix_classes"}
     with pytest.raises(figures.Skip):
-        matrix.fig_method_matrix(None, tmp_path)
+        matrix.fig_method_matrix(None, tmp_path, "suite_method-matrix")
 
 
 def test_the_figure_is_drawn_from_a_table(tmp_path):
     (tmp_path / "figures").mkdir()
     figures.setup()
-    paths = matrix.fig_method_matrix(None, tmp_path, per_run=per_run(), matched=MATCHED)
-    png = tmp_path / "figures" / "13_method_matrix.png"
-    assert png in paths and (tmp_path / "figures" / "13_method_matrix.pdf").read_bytes().startswith(b"%PDF")
+    paths = matrix.fig_method_matrix(None, tmp_path, "suite_method-matrix", per_run=per_run(), matched=MATCHED)
+    png = tmp_path / "figures" / "suite_method-matrix.png"
+    assert png in paths and (tmp_path / "figures" / "suite_method-matrix.pdf").read_bytes().startswith(b"%PDF")
     with Image.open(png) as image:
         image.verify()
         assert image.size[0] > 600 and image.size[1] > 300

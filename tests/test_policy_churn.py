@@ -20,6 +20,7 @@ from stabench.tasks.policy_churn import (
     ENV_ID,
     ROTATION,
     WALLS,
+    PocketVectorEnv,
     PolicyChurn,
     RelabeledEnvs,
     frozen_units,
@@ -28,7 +29,8 @@ from stabench.tasks.policy_churn import (
     optimal_return,
     state_table,
 )
-from stabench.tasks.worlds.grids import make_vector_env
+from stabench.tasks.worlds.grids import make_env, make_vector_env
+from test_room_vector_env import same_step
 
 pytestmark = pytest.mark.smoke
 torch.set_num_threads(1)
@@ -192,6 +194,28 @@ def test_table_driven_world_steps_and_starts_exactly_as_minigrid(seed: int, wall
             assert fast.agent_pos == tuple(int(v) for v in slow.unwrapped.agent_pos)
             assert fast.agent_dir == int(slow.unwrapped.agent_dir)
     assert ends["terminated"] >= 5 and ends["truncated"] >= 20  # wandering rarely finds the pocket's goal
+
+
+@pytest.mark.parametrize("walls", [WALLS, ()])
+def test_vector_world_equals_the_sync_vector_env_it_replaces(walls: tuple) -> None:
+    """The numpy vector world the runs use steps as the SyncVectorEnv of wrapped single worlds, bit for bit,
+    random starts and the last view of every finished episode (DQN's `final_obs`) included."""
+    n = 6
+    ref = gym.vector.SyncVectorEnv([lambda: make_env(ENV_ID, walls=walls) for _ in range(n)],
+                                   autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    mine = PocketVectorEnv(n, walls)
+    o1, o2 = ref.reset(seed=5)[0], mine.reset(seed=5)[0]
+    assert np.array_equal(o1, o2) and o1.dtype == o2.dtype
+    rng, ended, goals = np.random.default_rng(0), 0, 0
+    for k in range(2000):
+        actions = rng.choice(3, size=n, p=[0.2, 0.2, 0.6])
+        a, b = ref.step(actions), mine.step(actions)
+        ended += same_step(a, b, k)
+        goals += int(a[2].sum())
+        done = a[2] | a[3]
+        for i in np.flatnonzero(done):
+            assert np.array_equal(a[4]["final_obs"][i], b[4]["final_obs"][i]), k
+    assert ended > 200 and goals >= 10
 
 
 def test_dqn_raises_diverged_on_non_finite_loss() -> None:

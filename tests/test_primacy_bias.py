@@ -297,6 +297,9 @@ def test_isotropic_weight_is_a_task_setting_and_the_class_default_stays() -> Non
     assert default.stabilizer.inner.lam == 5.0
     set_ = PrimacyBias(isotropic_lam=2.0).build("smoke", 0, registry.make_stabilizer("isotropic-gaussian"))
     assert set_.stabilizer.inner.lam == 2.0 and IsotropicGaussian.lam == 5.0
+    assert set_.trainer.stabilizer is set_.stabilizer  # the trainer runs the configured one
+    # the method's public setting: the same class `isotropic-gaussian@lam=2` builds
+    assert type(set_.stabilizer.inner) is registry.resolve_class("stabilizer", "isotropic-gaussian@lam=2")
 
 
 def test_head_reset_fires_when_the_smoothed_reward_rate_falls_by_drop() -> None:

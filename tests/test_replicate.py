@@ -120,13 +120,13 @@ def test_exact_comparison_names_the_first_differing_trial_and_column(toy_run):
 
 
 def runs_of(table):
-    from stabench.suite import scoring
+    from stabench.suite import outcomes
 
-    return scoring.outcomes(table)
+    return outcomes.outcomes(table)
 
 
 def runs(task: str, method: str, values, failed=None, acts: bool = True, start: int = 0) -> pd.DataFrame:
-    """Per-run outcomes as `scoring.outcomes` gives them: injected runs of one task and method."""
+    """Per-run outcomes as `outcomes.outcomes` gives them: injected runs of one task and method."""
     failed = failed if failed is not None else [False] * len(values)
     return pd.DataFrame({"task": task, "method": method, "seed": range(start, start + len(values)),
                          "variant": "injected", "acts": acts, "failed": failed, "normalized_return": values})

@@ -42,10 +42,9 @@ class CoinEnv(gym.Env):
         return np.zeros(1, np.float32), float(action == 1) * self.bias, True, False, {}
 
 
-def draw(table, out):
+def draw(table, out, name):
     rows = need(table, "plug-toy", "w")
-    return side_by_side(rows, [("w", "the scalar weight"), ("return", "return")], "variant", "plug-toy", out,
-                        "90_plug_toy")
+    return side_by_side(rows, [("w", "the scalar weight"), ("return", "return")], "variant", "plug-toy", out, name)
 
 
 class PlugToy(ToyTask):
@@ -53,7 +52,7 @@ class PlugToy(ToyTask):
 
     id = "plug-toy"
     environments = {"plug/Coin-v0": ("CoinEnv", {"bias": 1.0})}
-    figures = (Figure("90_plug_toy", "plug toy", "the weight and the return of the plug toy", draw),)
+    figures = (Figure("weight", "plug toy", "the weight and the return of the plug toy", draw),)
     paper = "The plug toy shocks the gradient scale; its weight oscillates after onset."
 '''
 
@@ -100,10 +99,10 @@ def test_a_plugin_task_is_listed_registered_run_and_drawn(plugin, tmp_path):
     (book / "paper.template.md").write_text("# Tasks\n\n{{text:task_sections}}\n")
     lines: list[str] = []
     paper.build([out], book, log=lines.append, matrix=None)
-    assert (book / "figures" / "90_plug_toy.png").stat().st_size > 1000
+    assert (book / "figures" / "plug-toy_weight.png").stat().st_size > 1000
     text = (book / "paper.md").read_text()
     assert "### plug-toy" in text and "its weight oscillates after onset" in text
-    assert "![the weight and the return of the plug toy](figures/90_plug_toy.png)" in text
+    assert "![Figure 1: the weight and the return of the plug toy](figures/plug-toy_weight.png)" in text
 
 
 def test_register_task_adds_a_task_and_its_environment_at_run_time(plugin, monkeypatch):

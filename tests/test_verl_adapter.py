@@ -262,8 +262,8 @@ def test_verls_vanilla_ppo_is_the_suites_policy_term_and_its_dual_clip(verl_algo
     ("sapo", "verl:sapo", {"tau_pos": "tau_pos", "tau_neg": "tau_neg"}, "seq-mean"),  # verl's sapo: seq-mean always
 ])
 def test_verls_gspo_cispo_sapo_are_the_suites_builtins(verl_algos, builtin, verl, settings, aggregation):
-    if builtin not in registry.BUILTIN_STABILIZERS:
-        pytest.skip(f"the suite has no built-in {builtin!r} yet (registry.BUILTIN_STABILIZERS)")
+    if builtin not in registry.discover("stabilizer"):
+        pytest.skip(f"the suite has no built-in {builtin!r} yet (registry.discover('stabilizer'))")
     cls = registry.resolve_class("stabilizer", builtin)
     setting = ",".join(f"{ours}={registry.format_value(getattr(cls, theirs))}" for ours, theirs in settings.items())
     batch = batch_of(aggregation, spread=0.05 if builtin == "gspo" else 0.5)

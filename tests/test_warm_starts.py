@@ -19,7 +19,7 @@ from torch import nn
 
 pytestmark = pytest.mark.smoke
 
-NINE = {"calibration-collapse", "entropy-collapse", "inference-mismatch", "kl-estimator-bias/reference",
+NINE = {"calibration-collapse", "digits", "inference-mismatch", "kl-estimator-bias/reference",
         "length-explosion", "moe-routing", "rare-tool-states", "reward-hacking/reference", "tool-recovery"}  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def test_every_builtin_warm_start_is_its_shipped_file_bit_for_bit(starts) -> Non
         served, shipped = start.state(), load_file(start.file)
         assert served.keys() == shipped.keys(), name
         assert all(served[k].dtype == shipped[k].dtype and torch.equal(served[k], shipped[k]) for k in served), name
-    entropy = starts["entropy-collapse"]
+    entropy = starts["digits"]
     assert entropy.tasks() == ["degenerate-comparisons", "entropy-collapse", "hard-sample-shortcuts",
                                "plasticity-loss", "reward-model-drift"]  # fmt: skip
     assert starts["kl-estimator-bias/reference"].tasks() == ["kl-estimator-bias"]
@@ -70,10 +70,10 @@ def test_a_changed_or_missing_file_is_refused_in_one_line_naming_its_tasks(tmp_p
         registry.get_task("kl-estimator-bias")
     assert "\n" not in str(info.value)
 
-    damaged_copy(tmp_path / "2", monkeypatch, "entropy-collapse", "missing")
+    damaged_copy(tmp_path / "2", monkeypatch, "digits", "missing")
     monkeypatch.delitem(sys.modules, "stabench.tasks.entropy_collapse")
     monkeypatch.delitem(sys.modules, "stabench.tasks.worlds.digits")
-    with pytest.raises(StabenchError, match=r"entropy-collapse \(used by degenerate-comparisons, entropy-collapse, "
+    with pytest.raises(StabenchError, match=r"digits \(used by degenerate-comparisons, entropy-collapse, "
                                             r"hard-sample-shortcuts, plasticity-loss, reward-model-drift\): .* is "
                                             r"missing"):
         registry.get_task("entropy-collapse")
@@ -103,7 +103,7 @@ def test_builtin_token_tasks_train_nothing_and_write_no_cache(tmp_path, monkeypa
     for task in ("entropy-collapse", "length-explosion", "rare-tool-states", "tool-recovery"):
         table = run_trial(TrialSpec(task, "baseline", 0, "smoke"))
         assert set(table.status) == {"ok"}, task
-    for name in ("entropy-collapse", "length-explosion", "rare-tool-states", "tool-recovery"):
+    for name in ("digits", "length-explosion", "rare-tool-states", "tool-recovery"):
         assert starts[name]._state, name  # the trials did load them
     assert not cache.exists() or not any(cache.iterdir())
 

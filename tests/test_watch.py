@@ -43,6 +43,19 @@ class Recorder(Detector):
     def update(self, row):
         Recorder.seen.append(dict(row))
         return False
+
+
+class Fitted(Detector):
+    """A learned detector: it declares a fit step."""
+    name = "fitted"
+    metric = "entropy"
+
+    @classmethod
+    def fit(cls, rows, task, budget):
+        return {"level": 0.5}
+
+    def update(self, row):
+        return False
 '''
 
 
@@ -368,6 +381,19 @@ def test_no_detector_that_can_run_is_an_error_after_naming_each(capsys, tmp_path
     lines = err.splitlines()
     assert lines[-1] == "stabench: error: no detector can run on this log"
     assert len(lines) == 2 and "threshold: cannot run: needs a fixed threshold for" in lines[0]
+
+
+def test_a_learned_detector_is_refused_in_one_line_exit_2(capsys, tmp_path):
+    """A learned detector is fitted only on other runs than those it alarms on (`suite.crossfit`); a single log holds
+    no other run, so the watch refuses it (built-in or plugin) before anything runs, even beside one that can run."""
+    log = _trl_csv(tmp_path)
+    plugin = plugins(tmp_path)
+    for ref, name in (("logistic-z", "logistic-z"), (f"{plugin}:Fitted", "fitted")):
+        code, out, err = run_cli(capsys, log, "--detector", "cusum", "--detector", ref)
+        assert code == 2 and out == ""
+        assert err.splitlines() == [f"stabench: error: detector {name!r} is learned (it declares a fit step): it "
+                                    "cannot be cross-fitted on a single log, which holds no other runs to fit it on"]
+    assert run_cli(capsys, log, "--detector", "cusum")[0] == 0  # the same watch without it runs
 
 
 def test_the_name_maps_cover_the_issue_names_and_map_onto_suite_names():

@@ -60,9 +60,10 @@ lambda: automatic by default (`auto = True`, the paper's rule) lambda = beta * m
 running means over all updates so far (beta 0.05, the paper's DDQN value; its code starts from a fixed 100
 and switches to the rule after 10,000 updates, far more than a run here has), or fixed (`auto = False`, `lam`).
 
-Measured on `policy-churn` (see that task): in the healthy regime CHAIN lowers per-update policy churn
-(0.04-0.06 vs 0.07-0.09) and raises the return a little; it does not prevent the collapse a learning-rate
-shock causes there, which runs through saturated units rather than churn.
+Measured on `policy-churn` (see that task): in the healthy regime CHAIN lowers per-update policy churn and
+raises the return a little (paper/tables/fidelity.md, P12, measures the churn on the method matrix's injected
+runs); it does not prevent the collapse a learning-rate shock causes there, which runs through saturated units
+rather than churn.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ standard normal's on 8 points t in [-5, 5]:
 
 and adds `lam * loss` to the trainer's loss through the `loss` hook. lam = 5: on version 1 of the task
 then named representation-collapse (now `primacy-bias`) the usual 0.2-1.0 changed nothing, while 5 helped
-2 of 5 seeds but already slows learning from scratch (10 and 25 slow it more and help less). A task may set its
-own weight on the instance (primacy-bias's knob `isotropic_lam`); the class default stays 5. A batch of
+some seeds but already slows learning from scratch (10 and 25 slow it more and help less). lam is the method's
+public setting (`isotropic-gaussian@lam=1`), the one path a task sets it by too (primacy-bias's knob
+`isotropic_lam`); the class default stays 5. A batch of
 standard-normal features scores about (1 - e^{-t^2}) / (2 B) per point, i.e. near 0; collapsed (constant)
 features score O(1).
 The features are read without touching the trainer: the `model` hook registers a forward pre-hook on
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from ray import tune
 from stabench.suite.api import Stabilizer
 from torch import nn
 
@@ -82,6 +84,7 @@ class IsotropicGaussian(Stabilizer):
     name = "isotropic-gaussian"
     trainers = frozenset({"ppo"})  # it taps the `policy` head of the PPO tasks' actor-critic
     lam: float = 5.0
+    search_space = {"lam": tune.loguniform(0.2, 25.0)}  # the weights tried on version 1 of primacy-bias, 0.2 to 25
     n_directions: int = N_DIRECTIONS
     seed: int = 0
 

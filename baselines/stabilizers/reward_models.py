@@ -54,9 +54,11 @@ class ConservativeEnsemble(KLk2Anchor):
 
 
 class ConservativeEnsembleNoAnchor(Stabilizer):
-    """The ablation: the conservative advantages, the trainer's own KL term left as it is."""
+    """The ablation: the conservative advantages, the trainer's own KL term left as it is (run by reference, kept
+    out of the matrix: `listed = False`)."""
 
     name = "conservative-ensemble-no-anchor"
+    listed = False
     needs = frozenset({"reward_ensemble", "group", "mask"})
     k: ClassVar[float] = ConservativeEnsemble.k
 

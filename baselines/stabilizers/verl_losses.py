@@ -184,6 +184,7 @@ class VerlPolicyLoss(Stabilizer):
     """The trainer's policy term replaced by a verl policy loss `fn` (one subclass per method: `method_class`)."""
 
     name = "verl"
+    listed = False  # a base: each verl loss runs as `verl:NAME` (`method_class`)
     needs = POLICY_LOSS_KEYS
     loss_name: ClassVar[str] = "vanilla"  # config.policy_loss.loss_mode
     fn: ClassVar[Callable[..., Any] | None] = None  # a staticmethod in each method's class

@@ -112,9 +112,9 @@ def _warm_up() -> nn.Module:
 
 # The tiny transformer after a supervised warm-up on uniformly drawn old-rule answers of the training prompts.
 # Deterministic (its own seeds and one thread whatever the caller uses); shipped as
-# tasks/warm_starts/entropy-collapse.safetensors (after changing the warm-up: stabench warm-start --retrain). Its
-# name is entropy-collapse's, the task this world was first written for.
-warm_policy = WarmStart("entropy-collapse", _warm_up, _build,
+# tasks/warm_starts/digits.safetensors (after changing the warm-up: stabench warm-start --retrain), named by the
+# world, which every digit task shares.
+warm_policy = WarmStart("digits", _warm_up, _build,
                         sha256="248d67f2c7d5334403f321f33cb97191fb4b6adbade9e55eff4d51b4d40f14e6")
 
 

@@ -10,7 +10,7 @@ import torch
 from stabench.baselines.grpo import GRPO, GRPOConfig
 from stabench.baselines.models import SameWeights
 from stabench.suite.api import Budget, Stabilizer, TrainState
-from stabench.suite.diagnostics import DIAGNOSTICS
+from stabench.suite.diagnostics import DiagnosedRun
 from stabench.tasks.worlds.tokens import RewardFn
 from torch import nn
 
@@ -47,14 +47,14 @@ class Trailing:
         return self.values[-1] - self.values[max(0, len(self.values) - 1 - self.window)]
 
 
-class GRPORun:
+class GRPORun(DiagnosedRun):
     """One seed of a GRPO task: the trainer (policy, frozen reference, Adam, sampler Generator) and the prompt
     Generator live here, so `copy.deepcopy` branches everything.
 
     A subclass writes its schedule (`reward`: which reward pays this iteration; `sampler`: which network samples
     the answers, None for the policy itself) and its row (`row`); the base draws `config.n_groups` prompts per
-    iteration from `prompts` and appends the task's diagnostics to the row. A row computes its exact evaluation
-through `self.evaluate(compute, policy, ...)`, which the references that stop learning pay once.
+    iteration from `prompts`, and `DiagnosedRun.step` appends the task's diagnostics to the row. A row computes its
+    exact evaluation through `self.evaluate(compute, policy, ...)`, which the references that stop learning pay once.
     """
 
     def __init__(self, budget: Budget, seed: int, stabilizer: Stabilizer, diagnostics: tuple[str, ...], *,
@@ -83,12 +83,10 @@ through `self.evaluate(compute, policy, ...)`, which the references that stop le
         """The task's columns after one iteration (`step`, `return`, `entropy`, its ground truth, ...)."""
         raise NotImplementedError
 
-    def step(self, injected: bool) -> dict[str, float]:
+    def train(self, injected: bool) -> tuple[dict[str, float], TrainState]:
         which = self.prompt_rng.integers(len(self.prompts), size=self.trainer.config.n_groups)
         after_onset = self.trainer.iteration >= self.budget.onset
         engine = self.sampler(injected, after_onset)
         state = self.iterate(self.reward(injected, after_onset), self.prompts[which], engine)
         row = self.row(state, injected)
-        for name in self.diagnostics:
-            row.update(DIAGNOSTICS[name](state))
-        return row
+        return row, state

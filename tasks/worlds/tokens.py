@@ -205,11 +205,11 @@ class WarmStart:
     def tasks(self) -> list[str]:
         """The built-in tasks that use this warm start, read from their source: those of the module that declares
         it, and those whose module imports it from there."""
-        from stabench.suite.registry import discover_tasks
+        from stabench.suite.registry import discover
 
         found = []
-        for task, (ref, _) in discover_tasks().items():
-            module = ref.partition(":")[0]
+        for task, builtin in discover("task").items():
+            module = builtin.ref.partition(":")[0]
             if module == self.module or _imports(module, self.module, _bound_name(self.module, self.name)):
                 found.append(task)
         return sorted(found)
@@ -262,13 +262,13 @@ class WarmStart:
 
 def builtin_warm_starts() -> dict[str, WarmStart]:
     """Every warm start the built-in tasks declare, by name: imports every task module (found by
-    `stabench.suite.registry.discover_tasks`) with the file checks deferred, so a changed or missing file can be
+    `stabench.suite.registry.discover`) with the file checks deferred, so a changed or missing file can be
     listed and retrained."""
-    from stabench.suite.registry import discover_tasks
+    from stabench.suite.registry import discover
 
     with deferred_checks():
-        for ref, _ in discover_tasks().values():
-            importlib.import_module(ref.partition(":")[0])
+        for builtin in discover("task").values():
+            importlib.import_module(builtin.ref.partition(":")[0])
     return dict(sorted(BUILTIN.items()))
 
 
