@@ -246,7 +246,7 @@ def margin_notes(path: Path | None = None) -> dict[str, str]:
     when the file is absent (a plugin's folder, an installed copy without results)."""
     import csv
 
-    path = path or repo_root() / MARGINS_FILE
+    path = path or Path(__file__).resolve().parent.parent / MARGINS_FILE  # the checkout's, as for paper/'s inputs
     if not path.is_file():
         return {}
     notes: dict[str, list[str]] = {}
@@ -262,10 +262,3 @@ def margin_notes(path: Path | None = None) -> dict[str, str]:
             if said:
                 notes.setdefault(row["task"], []).append(f"seeds {row['seeds']}: " + "; ".join(said))
     return {task: " | ".join(parts) for task, parts in notes.items()}
-
-
-def repo_root() -> Path:
-    """The checkout the package runs from (an editable install): where `results/` lies."""
-    import stabench
-
-    return Path(stabench.__file__).resolve().parent.parent

@@ -42,8 +42,11 @@ def setup() -> None:
     sns.set_theme(style="whitegrid", palette="colorblind", context="paper", font_scale=1.1)
 
 
-def save(fig, out: Path, name: str) -> list[Path]:
-    fig.tight_layout()
+def save(fig, out: Path, name: str, tight: bool = True) -> list[Path]:
+    """Write the figure as figures/NAME.pdf and .png and close it; `tight`: lay it out first (not with a figure-wide
+    colorbar, which places itself)."""
+    if tight:
+        fig.tight_layout()
     paths = []
     for ext in ("pdf", "png"):
         path = out / "figures" / f"{name}.{ext}"

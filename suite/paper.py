@@ -347,13 +347,7 @@ def fig_precision_lead(table: pd.DataFrame, out: Path, name: str,
     fig.colorbar(dots, ax=axes.ravel().tolist(), label="threshold [healthy standard deviations]", shrink=0.6)
     fig.suptitle("Precision against lead time across thresholds, each task's paired diagnostic "
                  "(dashed: chance precision)")
-    paths = []
-    for ext in ("pdf", "png"):
-        path = out / "figures" / f"{name}.{ext}"
-        fig.savefig(path, dpi=150)
-        paths.append(path)
-    plt.close(fig)
-    return paths
+    return save(fig, out, name, tight=False)
 
 
 def fig_entropy(table: pd.DataFrame, out: Path, name: str) -> list[Path]:
