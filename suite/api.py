@@ -100,7 +100,8 @@ class Figure:
     or column raises `stabench.suite.figures.Skip` with the reason), writes `out/figures/<file>.{pdf,png}` (the
     name the paper gives it, for `suite.figures.save`) and returns the paths. `caption` is printed under the
     figure.
-    `grid_cells`: the figure also reads rows of a grid's cells (runs made with knobs), which others never see.
+    `grid_cells`: the figure also reads rows of a grid's cells (runs made with knobs), which others never see; it is
+    handed its own task's rows only (a suite figure: every row).
     """
 
     name: str

@@ -222,11 +222,12 @@ def write_fidelity(table: pd.DataFrame | None, out: Path, absent: str = "",
         calibration = calibration[~calibration["task"].isin(set(table["task"].unique()))]
         # only the rows a prediction reads (its task's baseline and method runs), before anything is joined
         tasks, methods = {p.task for p in predictions}, {"baseline", *(p.method for p in predictions)}
-        table = table[table["task"].isin(tasks) & table["method"].isin(methods)]
+        # only the columns deciding reads (scoring's and the predicted metrics), in one copy: the calibration runs
+        # log every column, which would otherwise widen the million matrix rows they join
+        read = table["task"].isin(tasks) & table["method"].isin(methods)
+        table = pd.DataFrame({c: table[c][read] for c in lean_columns(table.columns, (p.metric for p in predictions))})
         calibration = calibration[calibration["task"].isin(tasks) & calibration["method"].isin(methods)]
         extra = set(calibration["task"])
-        # only the columns deciding reads (the matrix's, scoring's and the predicted metrics): the calibration runs
-        # log every column, which would otherwise widen the million matrix rows they join
         kept = set(table.columns) | set(lean_columns(calibration.columns, (p.metric for p in predictions)))
         calibration = calibration[[c for c in calibration.columns if c in kept]]
         table = pd.concat([table, calibration], ignore_index=True)

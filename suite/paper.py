@@ -62,10 +62,7 @@ def fig_failure_map(table: pd.DataFrame, out: Path, name: str, per_run: pd.DataF
     from stabench.suite.detectors import PageHinkley, default_warmup
 
     cells = {}
-    for task_id, rows in table.groupby("task"):
-        rows = skill.detector_rows(rows)  # the rows the track would drop are not replayed
-        if rows.empty:
-            continue
+    for task_id, rows in skill.task_slices(table):  # the rows the track would drop are not replayed
         task = registry.get_task(rows["task_ref"].iloc[0])
         budget = task.budget(rows["tier"].iloc[0])
         metrics = [m for m in MAP_DIAGNOSTICS if m in rows and rows[m].notna().any() and not detectors.hidden(m, task)]
@@ -704,8 +701,14 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     (out / "tables").mkdir(parents=True, exist_ok=True)
     setup()
     written: list[Path] = []
-    # grid cells (rows with knobs) feed only the figures that ask for them; everything else reads default runs
+    n_rows = len(table)
+    figures = figure_list()
+    # grid cells (rows with knobs) feed only the figures that ask for them, each its own task's rows (a figure
+    # selects its own task anyway), so the whole table is not kept beside `main`; everything else reads default runs
+    with_cells = {owner: table if owner == SUITE else table[table["task"] == owner]
+                  for owner in {name.split("_", 1)[0] for name, figure in figures if figure.grid_cells}}
     main = table[table["cell"].fillna("") == ""] if "cell" in table else table
+    del table
     if matrix == "auto":
         matrix = MATRIX if dirs and all(Path(d) in DEFAULT_RESULTS for d in dirs) else None
     matrix = Path(matrix) if matrix is not None else None
@@ -723,7 +726,7 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     views = stabilizer_views(main_runs, experimental, matrix_runs)
     detectors = detector_source(main, main_runs, experimental, matrix_table, matrix_runs)
     track = pd.DataFrame(skill.detector_track(detectors[0], detectors[1]))  # one scoring: a table and a figure
-    figures = figure_list()
+    paper_inputs.hand_back()
     drawn: set[str] = set()
     for number, (name, figure) in enumerate(figures, start=1):
         try:
@@ -740,14 +743,16 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
             elif figure.draw is fig_failure_map:
                 paths = fig_failure_map(detectors[0], out, name, detectors[1])
             else:
-                paths = figure.draw(table if figure.grid_cells else main, out, name)
+                paths = figure.draw(with_cells[name.split("_", 1)[0]] if figure.grid_cells else main, out, name)
         except Skip as why:
             log(f"[{number:>2}/{len(figures)}] {figure.title}: skipped: {why}")
             continue
         written += paths
         drawn.add(name)
+        paper_inputs.hand_back()
         log(f"[{number:>2}/{len(figures)}] {figure.title}: {paths[0].with_suffix('.{pdf,png}')}")
     values = write_tables(main, out, main_runs, views, detectors, track)
+    paper_inputs.hand_back()
     values["text:task_sections"] = task_sections(main, drawn, matrix_table)
     values.update(tuning_values(out))
     if cells is not None and classes is not None:
@@ -765,5 +770,5 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
             log(f"paper: {pdf}")
         else:
             log("paper: no PDF (install the `paper` extra: pip install -e '.[paper]')")
-    log(f"paper: {len(written)} files from {len(table)} rows in {time.time() - started:.1f} s")
+    log(f"paper: {len(written)} files from {n_rows} rows in {time.time() - started:.1f} s")
     return written

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -90,15 +91,40 @@ def visible_at(injected: tuple[np.ndarray, np.ndarray] | None, control: tuple[np
     return at
 
 
-def detector_rows(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows the detector track scores: the reference stabilizers' runs and a method's copies of the baseline's
-    runs (`acts` False, in the method matrix) left out, so a replay can skip what would be dropped anyway."""
+def detector_mask(table: pd.DataFrame) -> np.ndarray:
+    """Which rows the detector track scores: the reference stabilizers' runs and a method's copies of the
+    baseline's runs (`acts` False, in the method matrix) are left out."""
     keep = np.ones(len(table), dtype=bool)
     if "role" in table:  # learners that do not learn fail in both branches for want of learning: not the failure
         keep &= (table["role"] != "reference").to_numpy(bool)
     if "acts" in table:  # a method's copies of the baseline's runs are not runs of their own
         keep &= table["acts"].fillna(True).astype(bool).to_numpy(bool)
-    return table[keep] if "role" in table or "acts" in table else table  # one copy, not one per filter
+    return keep
+
+
+def detector_rows(table: pd.DataFrame, columns: list[str] | None = None) -> pd.DataFrame:
+    """The rows the detector track scores (`detector_mask`), so a replay can skip what would be dropped anyway;
+    only `columns` when given, in one copy (the method matrix is too large to copy whole and then cut)."""
+    if columns is not None:
+        return table.loc[detector_mask(table), columns]
+    return table[detector_mask(table)] if "role" in table or "acts" in table else table  # one copy, not one per filter
+
+
+def task_slices(table: pd.DataFrame, grid: bool = True) -> Iterator[tuple[str, pd.DataFrame]]:
+    """(task, its rows the track scores), task by task in sorted order, as `groupby("task")` gives them after
+    `detector_rows`, but one task's rows copied at a time: a groupby copies the whole table sorted first, which on
+    the method matrix doubles the paper's memory. `grid` False leaves out the rows that lie in a grid cell."""
+    keep = detector_mask(table)
+    if not grid and "cell" in table:
+        keep &= (table["cell"].fillna("") == "").to_numpy(bool)
+    names = table["task"].to_numpy()
+    for name in sorted(pd.unique(names[keep & pd.notna(names)])):
+        yield name, table[keep & (names == name)]
+
+
+# What `detector_runs` reads of a run besides its `alarm/` and `knob_` columns.
+TRACK_COLUMNS = ("task", "task_ref", "task_version", "cell", "method", "role", "seed", "variant", "iteration", "step",
+                 "return", "diverged_at", "onset_iteration", "iterations")
 
 
 def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -116,7 +142,8 @@ def detector_runs(table: pd.DataFrame, per_run: pd.DataFrame | None = None) -> p
     """
     per_run = outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
-    table = detector_rows(table)
+    table = detector_rows(table, [c for c in table.columns
+                                  if c in TRACK_COLUMNS or str(c).startswith(("alarm/", "knob_"))])
     cells = cells_of(table)
     alarm_columns = [c for c in table.columns if c.startswith("alarm/")]
     scored = [c.split("/", 1)[1] for c in alarm_columns]

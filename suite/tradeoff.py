@@ -34,11 +34,9 @@ def precision_lead(table: pd.DataFrame, per_run: pd.DataFrame | None = None,
 
     per_run = outcomes.outcomes(table) if per_run is None else per_run
     failed = {(r.task, r.method, r.seed, r.variant): bool(r.failed) for r in per_run.itertuples()}
-    rows = skill.detector_rows(table)
-    rows = rows[rows["cell"].fillna("") == ""] if "cell" in rows else rows
     ks = np.asarray(thresholds, float)
     out = []
-    for task_id, task_rows in rows.groupby("task", sort=True):
+    for task_id, task_rows in skill.task_slices(table, grid=False):
         task = outcomes.task_of(task_rows, "")
         metric, above = task.detector.metric, task.detector.above
         if metric not in task_rows:

@@ -45,3 +45,35 @@ def test_replay_rules_gives_the_alarms_of_each_run_replayed_on_its_whole_visible
         assert (got[name] == want).all(), name
     assert got["entropy_tool|+"].any() or got["entropy_tool|-"].any()  # the comparison is not between two blanks
     assert not got["not_logged|+"].any()
+
+
+def test_task_slices_are_the_tracks_rows_of_each_task_as_a_groupby_gives_them(whole):
+    from stabench.suite import skill
+
+    table = whole.copy()
+    table.loc[table.index[::7], "acts"] = False  # some copies of the baseline's runs: not the track's rows
+    got = list(skill.task_slices(table))
+    want = [(name, skill.detector_rows(rows)) for name, rows in table.groupby("task")]
+    want = [(name, rows) for name, rows in want if len(rows)]
+    assert [name for name, _ in got] == [name for name, _ in want]
+    for (_, mine), (_, theirs) in zip(got, want):
+        pd.testing.assert_frame_equal(mine, theirs, check_exact=True)
+    assert not any((rows["role"] == "reference").any() or (~rows["acts"].fillna(True).astype(bool)).any()
+                   for _, rows in got)
+    cells = dict(skill.task_slices(table, grid=False))
+    assert all((rows["cell"].fillna("") == "").all() for rows in cells.values())
+
+
+def test_the_tracks_rows_cut_to_columns_are_the_whole_rows_less_the_other_columns(whole):
+    from stabench.suite import skill
+
+    columns = ["task", "seed", "iteration", "alarm/cusum"]
+    cut = skill.detector_rows(whole, columns)
+    assert list(cut.columns) == columns
+    pd.testing.assert_frame_equal(cut, skill.detector_rows(whole)[columns], check_exact=True)
+
+
+def test_handing_memory_back_changes_no_frame(whole):
+    before = whole.copy()
+    paper_inputs.hand_back()
+    pd.testing.assert_frame_equal(whole, before, check_exact=True)

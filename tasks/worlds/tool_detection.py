@@ -31,13 +31,12 @@ def split_detection(table: pd.DataFrame, per_run: pd.DataFrame | None = None) ->
     kinds = {"calibrated-threshold": CalibratedThreshold, "cusum": Cusum, "page-hinkley": PageHinkley}
     per_run = outcomes.outcomes(table) if per_run is None else per_run
     out = []
-    for task_id, rows in table.groupby("task"):
+    for task_id, rows in skill.task_slices(table):  # the rows the track would drop are not replayed
         pairs = [(s, a, up) for s, a, up in SPLIT_PAIRS if s in rows and a in rows and rows[s].notna().any()]
         if not pairs:
             continue
         task = registry.get_task(rows["task_ref"].iloc[0])
         budget = task.budget(rows["tier"].iloc[0])
-        rows = skill.detector_rows(rows)  # the rows the track would drop are not replayed
         rules = {f"alarm/{kind}:{metric}": partial(cls, metric, default_warmup(budget), above=above, onset=budget.onset)
                  for kind, cls in kinds.items() for split, aggregate, above in pairs for metric in (split, aggregate)}
         columns = replay_rules(rows, task, rules, (m for s, a, _ in pairs for m in (s, a)))
