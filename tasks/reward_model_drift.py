@@ -289,7 +289,7 @@ class RewardModelDrift(Task):
 iteration on 16 gold labels of the policy's own answers, but reading three principal directions of the warm
 start's hidden states, fitted on what the warm start wrote. After the rule change those directions cannot tell
 answers with a 5 from answers without one (a linear fit on them predicts it at its base rate, on the unprojected
-states at 0.98): the reward model orders within-group pairs only slightly better than chance
+states almost perfectly): the reward model orders within-group pairs only slightly better than chance
 ({tail_mean:rm_pair_accuracy:baseline}, the control's {tail_mean:rm_pair_accuracy:baseline:control}), and the
 policy follows its errors ({failed:baseline} seeds fail). Letting the reward model also read the live policy's
 hidden states (R2M) fails {failed:r2m-features} seeds; a frozen snapshot's unprojected states do as well, so what this
