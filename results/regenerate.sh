@@ -14,10 +14,10 @@
 # fingerprint, the commit of the code that moves rows, and each finished step. Run again, the script skips the
 # finished steps and continues an interrupted matrix with `--resume`; it refuses to go on on another machine or after
 # the code under tasks/, baselines/, suite/ or pyproject.toml changed (start over with REGENERATE_FRESH=1).
-# After it: reprint the tables of results/calibration.md with `stabench score DIR --calibration` (their commands are
-# in that file), state any verdict within one seed of the bar (`spare seeds` 0) there (results/calibration/margins.csv,
-# written here, carries them to `stabench list`, the leaderboard and the paper), and re-time the quick tier in
-# bench/RESULTS.md, row 4.
+# After it: reprint the tables of results/calibration.md (`stabench reprint results/calibration.md` reruns the
+# `stabench score` commands written above them), state any verdict within one seed of the bar (`spare seeds` 0)
+# there (results/calibration/margins.csv, written here, carries them to `stabench list`, the leaderboard and the
+# paper), and re-time the quick tier in bench/RESULTS.md, row 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S="${STABENCH:-.venv/bin/stabench}"

@@ -303,6 +303,19 @@ def cmd_paper(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reprint(args: argparse.Namespace) -> int:
+    from stabench.suite import reprint
+
+    report = reprint.reprint_file(Path(args.file), check=args.check,
+                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    for command, why in report.kept:
+        print(f"kept as it stands: {command}: {why}")
+    verb = "would change" if args.check else "changed"
+    print(f"{args.file}: {len(report.reprinted)} tables reprinted, {len(report.changed)} {verb}, "
+          f"{len(report.kept)} kept as they stand")
+    return 1 if args.check and report.changed else 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from stabench.suite import report
 
@@ -446,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the folder to write into (default: paper, only when building the committed "
                                  "results; your run's paper needs --out, --out paper replaces the committed one)")
     p.set_defaults(fn=cmd_paper)
+
+    p = sub.add_parser("reprint", help="reprint the tables of a Markdown record (results/calibration.md) from the "
+                                       "`stabench score` commands written above them (maintainers)")
+    p.add_argument("file", help="the Markdown file, rewritten in place")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table would change")
+    p.set_defaults(fn=cmd_reprint)
 
     p = sub.add_parser("report", help="a short Markdown report of your run: your methods against the baseline, "
                                       "the matched fix and the control, return curves, detectors")
