@@ -23,9 +23,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scipy.stats import binomtest
 from stabench.suite.api import REFERENCE_METHODS
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -262,3 +266,35 @@ def margin_notes(path: Path | None = None) -> dict[str, str]:
             if said:
                 notes.setdefault(row["task"], []).append(f"seeds {row['seeds']}: " + "; ".join(said))
     return {task: " | ".join(parts) for task, parts in notes.items()}
+
+
+def measured_anchors(per_run: pd.DataFrame) -> list[dict]:
+    """Per task of `per_run` (`suite.outcomes.outcomes` rows): its declared `return_floor` and `return_ceiling`
+    beside what a run measures for them, the mean post-onset return of `frozen-at-onset`'s injected runs (the floor)
+    and of the baseline's control runs (the ceiling where the task anchors on the control's reach), with their
+    seeds. A task that anchors its ceiling elsewhere (an exact optimum) says so in its own docstring; this prints
+    both, and a maintainer copies a measured value into the task only where the task defines it so."""
+    from stabench.suite import registry
+
+    out = []
+    for task_id, runs in per_run.groupby("task", sort=True):
+        cls = registry.resolve_class("task", str(task_id))
+        floor = runs[(runs["method"] == "frozen-at-onset") & (runs["variant"] == "injected")]["post_onset_return"]
+        ceiling = runs[(runs["method"] == "baseline") & (runs["variant"] == "control")]["post_onset_return"]
+        out.append({"task": task_id, "return_floor": cls.return_floor,
+                    "measured floor": float(floor.mean()) if len(floor) else math.nan, "floor seeds": len(floor),
+                    "return_ceiling": cls.return_ceiling,
+                    "measured ceiling": float(ceiling.mean()) if len(ceiling) else math.nan,
+                    "ceiling seeds": len(ceiling)})
+    return out
+
+
+def format_anchors(rows: list[dict]) -> str:
+    """`measured_anchors` as a Markdown table (four decimals, as the tasks declare them)."""
+    columns = ["task", "return_floor", "measured floor", "floor seeds", "return_ceiling", "measured ceiling",
+               "ceiling seeds"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[c]:.4f}" if isinstance(row[c], float) else str(row[c])
+                                       for c in columns) + " |")
+    return "\n".join(lines)

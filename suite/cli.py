@@ -176,6 +176,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     if args.write_margins:
         raise StabenchError("--write-margins needs --calibration")
     table = load_tables(args.dir)
+    if args.anchors:
+        from stabench.suite import calibration, outcomes
+
+        print(calibration.format_anchors(calibration.measured_anchors(outcomes.outcomes(table))))
+        return 0
     if args.detector:  # replay new detectors over the stored rows: no training
         from stabench.suite import detectors, registry
 
@@ -447,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --calibration: record each task's verdict and margins in seeds in FILE, replacing "
                         "its rows of the same seeds (results/calibration/margins.csv is read by `stabench list`, "
                         "the leaderboard and the paper)")
+    p.add_argument("--anchors", action="store_true",
+                   help="print each task's declared return floor and ceiling beside what the run measures for them "
+                        "(frozen-at-onset's injected and the baseline's control post-onset return; maintainers)")
     p.add_argument("--detector", action="append",
                    help="replay this detector (FILE.py:Class, entry point or built-in; repeatable) over the stored "
                         "rows and score it beside the recorded alarm columns (the leaderboard's detector rows: "

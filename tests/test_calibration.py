@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 from stabench.suite.calibration import binomial_interval, format_markdown, rate_text, verdicts
 
 
@@ -135,3 +136,21 @@ def test_write_margins_needs_calibration(tmp_path, capsys):
     assert main(["score", run, "--write-margins", str(tmp_path / "m.csv")]) == 2
     assert capsys.readouterr().err.strip() == "stabench: error: --write-margins needs --calibration"
     assert not (tmp_path / "m.csv").exists()
+
+
+def test_measured_anchors_are_frozen_at_onsets_injected_and_the_baselines_control_means():
+    import pandas as pd
+    from stabench.suite import calibration
+
+    rows = [("frozen-at-onset", "injected", 0.2), ("frozen-at-onset", "injected", 0.4),
+            ("frozen-at-onset", "control", 9.0), ("baseline", "control", 0.7), ("baseline", "control", 0.9),
+            ("baseline", "injected", -5.0), ("kl-anchor", "control", 7.0)]
+    per_run = pd.DataFrame([{"task": "entropy-collapse", "method": m, "variant": v, "post_onset_return": r}
+                            for m, v, r in rows])
+    [row] = calibration.measured_anchors(per_run)
+    assert row["measured floor"] == pytest.approx(0.3) and row["floor seeds"] == 2
+    assert row["measured ceiling"] == pytest.approx(0.8) and row["ceiling seeds"] == 2
+    from stabench.tasks.entropy_collapse import EntropyCollapse as Task
+
+    assert (row["return_floor"], row["return_ceiling"]) == (Task.return_floor, Task.return_ceiling)
+    assert "| entropy-collapse | " in calibration.format_anchors([row])
