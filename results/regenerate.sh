@@ -74,18 +74,23 @@ for step in "${steps[@]}"; do
       fresh results/tuned
       "$S" run --tier quick --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" --out results/tuned
       ;;
-    calibration)  # fresh seeds 100-109 for every default task; both seed sets for the experimental ones
+    calibration)  # fresh seeds 100-109 for every default task; both seed sets for the experimental ones, whose
+      # seeds 0-9 (not in the matrix) run every method the task names and every method a prediction tests on it
       "$PY" - <<'EOF' > /tmp/stabench-calibration-plan.txt
-from stabench.suite import registry
+from pathlib import Path
+from stabench.suite import fidelity, registry
+from stabench.suite.api import REFERENCE_METHODS
+predictions = fidelity.read_predictions(Path("paper") / fidelity.PREDICTIONS)[0]
 for name in registry.names("task"):
     task = registry.get_task(name)
-    fix = task.matched_fix
-    print(task.id, fix, int(task.experimental))
+    tested = [p.method for p in predictions if p.task == task.id and p.testable]
+    methods = ",".join(dict.fromkeys(("baseline", *task.methods, *tested, *REFERENCE_METHODS)))
+    print(task.id, task.matched_fix, int(task.experimental), methods)
 EOF
-      while read -r task fix experimental; do
+      while read -r task fix experimental methods; do
         if [ "$experimental" = 1 ]; then
           fresh "results/calibration/$task/seeds-0-9"
-          "$S" run --tier quick --tasks "$task" --seeds 10 --cpus 2 --no-tensorboard \
+          "$S" run --tier quick --tasks "$task" --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" \
             --out "results/calibration/$task/seeds-0-9"
         fi
         fresh "results/calibration/$task/seeds-100-109"
