@@ -46,6 +46,10 @@ for step in "${steps[@]}"; do
   echo "== $step ($(date -u +%FT%TZ))"
   case "$step" in
     check)
+      # the code a Ray worker imports is this checkout's: a worker puts the driver's folder first on its path, so
+      # a checkout without its own install (`pip install -e .`) runs another checkout's tasks, silently
+      "$PY" -c "import pathlib, stabench.suite as s; f = pathlib.Path(s.__file__).resolve(); \
+assert pathlib.Path.cwd().resolve() in f.parents, f'this checkout imports {f}: install it (pip install -e .)'"
       "$S" warm-start  # every shipped warm start matches its declared sha256
       "$PY" -c "from stabench.suite.fingerprint import describe, machine_fingerprint; print(describe(machine_fingerprint()))"
       ;;
