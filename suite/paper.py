@@ -705,8 +705,9 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     figures = figure_list()
     # grid cells (rows with knobs) feed only the figures that ask for them, each its own task's rows (a figure
     # selects its own task anyway), so the whole table is not kept beside `main`; everything else reads default runs
-    with_cells = {owner: table if owner == SUITE else table[table["task"] == owner]
-                  for owner in {name.split("_", 1)[0] for name, figure in figures if figure.grid_cells}}
+    with_cells = {figure_file(owner, figure): table if owner == SUITE else table[table["task"] == owner]
+                  for owner, own in [(SUITE, SUITE_FIGURES), *((cls.id, cls.figures) for cls in task_classes())]
+                  for figure in own if figure.grid_cells}
     main = table[table["cell"].fillna("") == ""] if "cell" in table else table
     del table
     if matrix == "auto":
@@ -743,7 +744,7 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
             elif figure.draw is fig_failure_map:
                 paths = fig_failure_map(detectors[0], out, name, detectors[1])
             else:
-                paths = figure.draw(with_cells[name.split("_", 1)[0]] if figure.grid_cells else main, out, name)
+                paths = figure.draw(with_cells[name] if figure.grid_cells else main, out, name)
         except Skip as why:
             log(f"[{number:>2}/{len(figures)}] {figure.title}: skipped: {why}")
             continue
