@@ -11,8 +11,9 @@
 # 25 min, calibration about 40 min, grid a few minutes, leaderboard about 10 min, paper about 5 min.
 #
 # The whole takes longer than one sitting, so it is resumable: results/regeneration.json records the machine's
-# fingerprint, the commit of the code that moves rows, and each finished step. Run again, the script skips the
-# finished steps and continues an interrupted matrix with `--resume`; it refuses to go on on another machine or after
+# fingerprint, the commit of the code that moves rows, and each finished step (and each finished method of tuning
+# and task of calibration). Run again, the script skips what finished and continues an interrupted matrix or tuned
+# run with `--resume`; it refuses to go on on another machine or after
 # the code under tasks/, baselines/, suite/ or pyproject.toml changed (start over with REGENERATE_FRESH=1).
 # After it: reprint the tables of results/calibration.md (`stabench reprint results/calibration.md` reruns the
 # `stabench score` commands written above them), state any verdict within one seed of the bar (`spare seeds` 0)
@@ -66,17 +67,23 @@ assert pathlib.Path.cwd().resolve() in f.parents, f'this checkout imports {f}: i
       fi
       "$S" score results/matrix --calibration --write-margins "$MARGINS" > /dev/null  # seeds 0-9
       ;;
-    tuning)
+    tuning)  # method by method; a method finished in an earlier sitting is kept
       for m in "${TUNED_METHODS[@]}"; do
+        if state finished "tuning:$m"; then continue; fi
         fresh "results/tuning/$m"
         "$S" tune --method "$m" --budget 4 --seeds 2 --cpus 2
+        state done "tuning:$m"
       done
       ;;
     tuned)  # each tuned setting beside its default, the baseline and both references, in one run
       methods="baseline,no-update,frozen-at-onset"
       for m in "${TUNED_METHODS[@]}"; do methods="$methods,$m,$m@tuned"; done
-      fresh results/tuned
-      "$S" run --tier quick --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" --out results/tuned
+      if [ -f results/tuned/manifest.json ] && [ ! -f results/tuned/metrics.parquet ]; then  # interrupted: go on
+        "$S" run --tier quick --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" --out results/tuned --resume
+      else
+        fresh results/tuned
+        "$S" run --tier quick --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" --out results/tuned
+      fi
       ;;
     calibration)  # fresh seeds 100-109 for every default task; both seed sets for the experimental ones, whose
       # seeds 0-9 (not in the matrix) run every method the task names and every method a prediction tests on it
@@ -91,7 +98,8 @@ for name in registry.names("task"):
     methods = ",".join(dict.fromkeys(("baseline", *task.methods, *tested, *REFERENCE_METHODS)))
     print(task.id, task.matched_fix, int(task.experimental), methods)
 EOF
-      while read -r task fix experimental methods; do
+      while read -r task fix experimental methods; do  # task by task; a task finished in an earlier sitting is kept
+        if state finished "calibration:$task"; then continue; fi
         if [ "$experimental" = 1 ]; then
           fresh "results/calibration/$task/seeds-0-9"
           "$S" run --tier quick --tasks "$task" --seeds 10 --cpus 2 --no-tensorboard --methods "$methods" \
@@ -103,6 +111,7 @@ EOF
         for dir in results/calibration/"$task"/seeds-0-9 results/calibration/"$task"/seeds-100-109; do
           if [ -d "$dir" ]; then "$S" score "$dir" --calibration --write-margins "$MARGINS" > /dev/null; fi
         done
+        state done "calibration:$task"
       done < /tmp/stabench-calibration-plan.txt
       ;;
     grid)
