@@ -30,7 +30,7 @@ from pathlib import Path
 import pandas as pd
 from stabench.suite import outcomes, statistics
 from stabench.suite.figures import markdown_table
-from stabench.suite.paper_inputs import lean_columns
+from stabench.suite.paper_inputs import RUN_COLUMNS
 
 PREDICTIONS = "predictions.json"
 SEEDS = tuple(range(10))
@@ -203,6 +203,14 @@ def predictions_path(out: Path) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
+def _read_rows(rows: pd.DataFrame, read: dict[str, set[str]]) -> pd.Series:
+    """Which of `rows` are runs of a task in `read` by one of its methods there."""
+    mask = pd.Series(False, index=rows.index)
+    for task, methods in read.items():
+        mask |= (rows["task"] == task) & rows["method"].isin(methods)
+    return mask
+
+
 def write_fidelity(table: pd.DataFrame | None, out: Path, absent: str = "",
                    calibration: pd.DataFrame | None = None) -> dict[str, str]:
     """tables/fidelity.csv|md from the method matrix's rows (`table`, None when there is no matrix: `absent` says
@@ -221,15 +229,19 @@ def write_fidelity(table: pd.DataFrame | None, out: Path, absent: str = "",
     if table is not None and calibration is not None:
         calibration = calibration[~calibration["task"].isin(set(table["task"].unique()))]
         # only the rows a prediction reads (its task's baseline and method runs), before anything is joined
-        tasks, methods = {p.task for p in predictions}, {"baseline", *(p.method for p in predictions)}
-        # only the columns deciding reads (scoring's and the predicted metrics), in one copy: the calibration runs
-        # log every column, which would otherwise widen the million matrix rows they join
-        read = table["task"].isin(tasks) & table["method"].isin(methods)
-        table = pd.DataFrame({c: table[c][read] for c in lean_columns(table.columns, (p.metric for p in predictions))})
-        calibration = calibration[calibration["task"].isin(tasks) & calibration["method"].isin(methods)]
+        tasks = {p.task for p in predictions}
+        read = {task: {"baseline", *(p.method for p in predictions if p.task == task)} for task in tasks}
+        # only the columns deciding reads (what scoring reads of the predicted tasks, and the predicted metrics), in
+        # one copy: the calibration runs log every column, which would otherwise widen the matrix rows they join
+        wanted = set(RUN_COLUMNS) | {p.metric for p in predictions}
+        for task in tasks & set(registry.names("task")):
+            cls = registry.resolve_class("task", task)
+            wanted |= {cls.ground_truth.metric, cls.detector.metric}
+        mine = _read_rows(table, read)
+        table = pd.DataFrame({c: table[c][mine] for c in table.columns if c in wanted or c.startswith("knob_")})
+        calibration = calibration[_read_rows(calibration, read)]
         extra = set(calibration["task"])
-        kept = set(table.columns) | set(lean_columns(calibration.columns, (p.metric for p in predictions)))
-        calibration = calibration[[c for c in calibration.columns if c in kept]]
+        calibration = calibration[[c for c in calibration.columns if c in wanted or c.startswith("knob_")]]
         table = pd.concat([table, calibration], ignore_index=True)
     verdicts = [v if v.prediction.task not in extra or v.verdict in ("not run", "not testable") else
                 replace(v, note="; ".join(filter(None, [f"decided on {v.prediction.task}'s calibration run (an "

@@ -755,6 +755,7 @@ def build(dirs: list[Path], out: Path = PAPER, log: Callable[[str], None] | None
     values = write_tables(main, out, main_runs, views, detectors, track)
     paper_inputs.hand_back()
     values["text:task_sections"] = task_sections(main, drawn, matrix_table)
+    paper_inputs.hand_back()
     values.update(tuning_values(out))
     if cells is not None and classes is not None:
         matrix_module.write_matrix_tables(cells, classes, out)
