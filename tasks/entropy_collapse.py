@@ -43,6 +43,19 @@ Diagnostic: `entropy_trend`, the batch token entropy minus its value `TREND_WIND
 there). It sees the collapse, not a learner that stopped: the frozen and no-update references fail without any
 entropy fall.
 
+Predictions of the field tested here (paper/predictions.json, decided in the paper's fidelity table on the method
+matrix), and why three of them mismatch:
+- P02 ("clip-higher changes nothing where a batch is used for one update") reads "mismatch: effect": its interval
+  lies inside the tolerance but excludes 0. The prediction's regime is one update per batch, and this task takes 2
+  epochs per batch: in the second the ratio can pass 1.2, where clip-higher's bound is wider, and a small effect
+  is what that leaves. The claim's algebra is not contradicted; the task is outside its regime.
+- P03 and P04 (Clip-Cov and KL-Cov hold entropy above the baseline's) read "mismatch: no effect". At the authors'
+  rates (`clip-cov` 2e-4, `kl-cov` 2e-3 of the tokens) an update on this task's 192 answer tokens (64 answers of
+  3, one minibatch) yields less than one token, and the methods restrain one (at least one, as verl does:
+  baselines/stabilizers/entropy.py), so each update they touch a single token, against a vote that sharpens every
+  group it pays. Whether a larger share
+  holds the entropy here was not run (`stabench tune` searches the share up to 0.1).
+
 The measured numbers (failure rates, normalized returns, tails, the method matrix) are in `results/calibration.md`.
 """
 
